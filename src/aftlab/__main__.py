@@ -1,0 +1,3 @@
+from aftlab.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,114 @@
+"""Argument validation that fails early with a message naming the argument.
+
+Every public function validates its inputs with these helpers, so a user sees
+``aft_full: 'k' must have shape (2, 7, 16) like 'q', got (2, 7, 15)`` rather than an
+opaque error from deep inside torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = [
+    "check_tensor",
+    "check_same_shape",
+    "check_compatible",
+    "check_positive_int",
+    "check_choice",
+]
+
+
+def _fmt(shape: Sequence[int | None]) -> str:
+    return "(" + ", ".join("*" if s is None else str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def check_tensor(
+    where: str,
+    name: str,
+    value: object,
+    *,
+    ndim: int | Sequence[int] | None = None,
+    shape: Sequence[int | None] | None = None,
+    floating: bool = False,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Check that ``value`` is a tensor of the given rank/shape/dtype.
+
+    Args:
+        where: the function or module doing the check, used as the message prefix.
+        name: the argument's name as the user wrote it.
+        value: the object to check.
+        ndim: required number of dimensions (or a sequence of allowed ones).
+        shape: required shape; ``None`` entries match any size. Implies ``ndim``.
+        floating: require a floating-point dtype.
+        dtype: require exactly this dtype.
+
+    Raises:
+        TypeError: ``value`` is not a tensor, or has the wrong dtype.
+        ValueError: wrong rank or shape.
+    """
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{where}: '{name}' must be a torch.Tensor, got {type(value).__name__}")
+    if shape is not None:
+        ndim = len(shape)
+    if ndim is not None:
+        allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+        if value.dim() not in allowed:
+            want = " or ".join(str(a) for a in allowed)
+            extra = f" {_fmt(shape)}" if shape is not None else ""
+            raise ValueError(
+                f"{where}: '{name}' must have {want} dimensions{extra}, "
+                f"got {value.dim()} with shape {_fmt(value.shape)}"
+            )
+    if shape is not None and any(s is not None and s != v for s, v in zip(shape, value.shape)):
+        raise ValueError(f"{where}: '{name}' must have shape {_fmt(shape)}, got {_fmt(value.shape)}")
+    if floating and not value.is_floating_point():
+        raise TypeError(f"{where}: '{name}' must be a floating-point tensor, got dtype {value.dtype}")
+    if dtype is not None and value.dtype != dtype:
+        raise TypeError(f"{where}: '{name}' must have dtype {dtype}, got {value.dtype}")
+    return value
+
+
+def check_same_shape(where: str, name: str, value: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless ``value.shape == ref.shape``."""
+    if value.shape != ref.shape:
+        raise ValueError(
+            f"{where}: '{name}' must have the same shape as '{ref_name}' {_fmt(ref.shape)}, "
+            f"got {_fmt(value.shape)}"
+        )
+
+
+def check_compatible(where: str, named: dict[str, torch.Tensor]) -> None:
+    """Raise unless all tensors share one dtype and one device (names both offenders)."""
+    items = list(named.items())
+    first_name, first = items[0]
+    for name, t in items[1:]:
+        if t.dtype != first.dtype:
+            raise TypeError(
+                f"{where}: '{name}' has dtype {t.dtype} but '{first_name}' has {first.dtype}; "
+                "all inputs must share one dtype"
+            )
+        if t.device != first.device:
+            raise ValueError(
+                f"{where}: '{name}' is on {t.device} but '{first_name}' is on {first.device}; "
+                "all inputs must be on one device"
+            )
+
+
+def check_positive_int(where: str, name: str, value: object, *, allow_zero: bool = False) -> int:
+    """Return ``value`` if it is an int > 0 (or >= 0 with ``allow_zero``); else raise."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{where}: '{name}' must be an int, got {type(value).__name__} {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{where}: '{name}' must be {bound}, got {value}")
+    return value
+
+
+def check_choice(where: str, name: str, value: object, choices: Sequence[str]) -> str:
+    """Return ``value`` if it is one of ``choices``; else raise listing them."""
+    if value not in choices:
+        raise ValueError(f"{where}: '{name}' must be one of {sorted(choices)}, got {value!r}")
+    return value  # type: ignore[return-value]

@@ -1,0 +1,1 @@
+"""aftlab.bench (being written)."""

@@ -1,0 +1,1 @@
+"""aftlab.data (being written)."""

@@ -1,0 +1,3 @@
+"""AFT token mixers. Importing registers "aft-full", "aft-local", "aft-simple", "aft-conv", "aft-decay"."""
+
+from . import conv, decay, full, local, simple  # noqa: F401

@@ -1,0 +1,1 @@
+"""The aft-conv mixer (stub: being written)."""

@@ -1,0 +1,1 @@
+"""The aft-decay mixer (stub: being written)."""

@@ -1,0 +1,1 @@
+"""The aft-full mixer (stub: being written)."""

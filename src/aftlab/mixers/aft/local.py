@@ -1,0 +1,1 @@
+"""The aft-local mixer (stub: being written)."""

@@ -1,0 +1,1 @@
+"""The aft-simple mixer (stub: being written)."""

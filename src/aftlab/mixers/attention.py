@@ -1,0 +1,1 @@
+"""Multi-head attention mixers (stub: being written). Registers "attention" and "attention-naive"."""

@@ -1,0 +1,129 @@
+"""Typed, validated configs with a JSON round trip (``to_dict`` / ``from_dict``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["TransformerConfig"]
+
+_NORMS = ("pre", "post", "none")
+_ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
+_POSITIONAL = ("learned", "sinusoidal", "rotary", "none")
+
+
+def _fail(name: str, expected: str, got: Any) -> None:
+    raise ValueError(f"TransformerConfig: '{name}' must be {expected}, got {got!r}")
+
+
+@dataclass
+class TransformerConfig:
+    """Configuration of the practical Transformer and its mixer-swapped variants.
+
+    Every model in :mod:`aftlab.models` (language model, classifier, pixel model) takes one.
+    ``mixer`` names a registered token mixer (``"attention"``, ``"aft-full"``, ...); all other
+    fields stay the same when it changes.
+
+    Attributes:
+        vocab_size: number of token ids (256 for bytes/pixels).
+        d_model: model width ``d``.
+        n_layers: number of blocks ``N``.
+        n_heads: heads ``H`` of the mixer (attention, AFT-conv).
+        head_dim: per-head width ``m``; defaults to ``d_model // n_heads``.
+        d_ff: feed-forward hidden width ``r``; defaults to ``4 * d_model``.
+        max_seq_len: longest sequence ``T_max`` (learned positions, AFT-full/local biases).
+        mixer: registry name of the token mixer.
+        mixer_options: extra keyword arguments of the mixer (e.g. ``{"window": 32}``).
+        causal: causal (language/pixel model) or bidirectional (encoder).
+        norm: LayerNorm placement: ``"pre"`` (GPT-2), ``"post"`` (original paper) or ``"none"``.
+        activation: feed-forward activation: ``"gelu"``, ``"gelu_tanh"`` (GPT-2) or ``"relu"``.
+        positional: ``"learned"``, ``"sinusoidal"``, ``"rotary"`` (attention only) or ``"none"``.
+        scaled: scale attention logits by ``1/sqrt(head_dim)`` (False gives the definition's form).
+        dropout: dropout probability (embeddings, mixer output, feed-forward output).
+        bias: biases in linear layers.
+        tie_embeddings: share the token embedding with the output head.
+        layer_norm_eps: LayerNorm epsilon.
+        final_norm: LayerNorm after the last block (pre-LN models).
+    """
+
+    vocab_size: int = 256
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    head_dim: int | None = None
+    d_ff: int | None = None
+    max_seq_len: int = 1024
+    mixer: str = "attention"
+    mixer_options: dict[str, Any] = field(default_factory=dict)
+    causal: bool = True
+    norm: str = "pre"
+    activation: str = "gelu"
+    positional: str = "learned"
+    scaled: bool = True
+    dropout: float = 0.0
+    bias: bool = True
+    tie_embeddings: bool = True
+    layer_norm_eps: float = 1e-5
+    final_norm: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                _fail(name, "a positive int", v)
+        for name in ("head_dim", "d_ff"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+                _fail(name, "a positive int or None", v)
+        if self.head_dim is None and self.d_model % self.n_heads:
+            _fail("n_heads", f"a divisor of d_model={self.d_model} when head_dim is not given", self.n_heads)
+        if self.norm not in _NORMS:
+            _fail("norm", f"one of {_NORMS}", self.norm)
+        if self.activation not in _ACTIVATIONS:
+            _fail("activation", f"one of {_ACTIVATIONS}", self.activation)
+        if self.positional not in _POSITIONAL:
+            _fail("positional", f"one of {_POSITIONAL}", self.positional)
+        if not isinstance(self.mixer, str):
+            _fail("mixer", "a registered mixer name (str)", self.mixer)
+        if not isinstance(self.mixer_options, dict):
+            _fail("mixer_options", "a dict", self.mixer_options)
+        if not 0.0 <= float(self.dropout) < 1.0:
+            _fail("dropout", "in [0, 1)", self.dropout)
+        if not float(self.layer_norm_eps) > 0:
+            _fail("layer_norm_eps", "> 0", self.layer_norm_eps)
+
+    # derived sizes ------------------------------------------------------------
+    @property
+    def resolved_head_dim(self) -> int:
+        """``head_dim``, or ``d_model // n_heads`` when unset."""
+        return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+
+    @property
+    def resolved_d_ff(self) -> int:
+        """``d_ff``, or ``4 * d_model`` when unset."""
+        return self.d_ff if self.d_ff is not None else 4 * self.d_model
+
+    # serialisation -------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict of every field."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TransformerConfig:
+        """Build from :meth:`to_dict` output; unknown keys raise ``ValueError`` naming them."""
+        if not isinstance(data, dict):
+            raise TypeError(f"TransformerConfig.from_dict: expected a dict, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"TransformerConfig: unknown field(s) {unknown}; known fields: {sorted(known)}")
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> TransformerConfig:
+        return cls.from_dict(json.loads(text))

@@ -1,0 +1,2 @@
+"""Practical Transformer models (stub: being written)."""
+__all__: list[str] = []

@@ -1,0 +1,1 @@
+"""aftlab.train (being written)."""
