@@ -1,0 +1,47 @@
+"""Shared pieces of the AFT mixers: the projections around an AFT op.
+
+An AFT mixer computes ``Q = X W^Q, K = X W^K, V = X W^V`` (the paper's notation), applies a
+sigma-gated AFT op ``Y = sigma(Q) * (...)`` and projects back with ``W^O`` (then dropout).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..base import SequenceMixer
+
+__all__ = ["AFTMixer"]
+
+
+class AFTMixer(SequenceMixer):
+    """Base class of the AFT mixers: owns ``W^Q``, ``W^K``, ``W^V`` and the output projection.
+
+    Args:
+        key_dim: width of ``K``; ``d_model`` for AFT-full/local/simple/decay, ``n_heads`` for
+            AFT-conv (one key channel per head).
+        **common: the common mixer arguments of :class:`~aftlab.mixers.SequenceMixer`.
+
+    Shapes:
+        :meth:`project` maps ``x: (B, T, d)`` (or ``(B, d)`` for one decoding step) to
+        ``q: (..., d)``, ``k: (..., key_dim)``, ``v: (..., d)``; :meth:`output` maps the AFT
+        result ``(..., d)`` back to ``(..., d)``.
+    """
+
+    def __init__(self, *, key_dim: int | None = None, **common) -> None:
+        super().__init__(**common)
+        d = self.d_model
+        self.key_dim = d if key_dim is None else int(key_dim)
+        self.to_q = nn.Linear(d, d, bias=self.bias)
+        self.to_k = nn.Linear(d, self.key_dim, bias=self.bias)
+        self.to_v = nn.Linear(d, d, bias=self.bias)
+        self.proj = nn.Linear(d, d, bias=self.bias)
+        self.drop = nn.Dropout(self.dropout_p)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``Q = X W^Q, K = X W^K, V = X W^V``."""
+        return self.to_q(x), self.to_k(x), self.to_v(x)
+
+    def output(self, y: torch.Tensor) -> torch.Tensor:
+        """``dropout(Y W^O)``."""
+        return self.drop(self.proj(y))
