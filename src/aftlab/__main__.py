@@ -1,3 +1,6 @@
+"""``python -m aftlab``: the same command line as ``aftlab`` (and what torchrun runs)."""
+
 from aftlab.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,1 +1,338 @@
-"""Multi-head attention mixers (stub: being written). Registers "attention" and "attention-naive"."""
+"""Multi-head attention mixers: ``"attention"`` (fused SDPA) and ``"attention-naive"`` (einsum).
+
+Both compute, for each head ``h`` with per-head width ``m`` (batch-first, ``x: (B, T, d)``)::
+
+    Q_h = x W_h^Q,  K_h = x W_h^K,  V_h = x W_h^V                  (B, T, m)
+    A_h = softmax_s( s * Q_h K_h^T + M )                           (B, T, T), rows sum to 1
+    y   = concat_h(A_h V_h) W^O                                    (B, T, d)
+
+with ``s = 1/sqrt(m)`` when ``scaled`` (else ``s = 1``, the definition's form) and ``M`` the
+additive mask: ``-inf`` where key ``t'`` is padding or (causal) ``t' > t``. A query with no
+allowed key outputs 0. With ``rotary``, ``Q_h`` and ``K_h`` are rotated by their positions
+before the product (RoPE, :func:`apply_rotary`), so ``A_h`` depends only on ``t - t'``.
+
+``"attention"`` calls :func:`torch.nn.functional.scaled_dot_product_attention` (flash /
+memory-efficient kernels where available); ``"attention-naive"`` is the same module computing
+``A_h`` explicitly with einsum + softmax: the reference the fast path is tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._checks import check_positive_int, check_tensor
+from .base import SequenceMixer
+from .registry import register_mixer
+
+__all__ = [
+    "MultiHeadAttention",
+    "NaiveMultiHeadAttention",
+    "KVCache",
+    "apply_rotary",
+    "rotary_angles",
+]
+
+
+def rotary_angles(
+    positions: torch.Tensor,
+    head_dim: int,
+    *,
+    base: float = 10000.0,
+    dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cosines and sines of the rotary angles ``theta_{p,i} = p * base^(-2i/m)``.
+
+    Args:
+        positions: integer positions ``p``, shape ``(T,)``.
+        head_dim: per-head width ``m`` (even).
+        base: the RoPE base (10000 in Su et al. 2021).
+        dtype: floating dtype of the result (default float32).
+
+    Returns:
+        ``(cos, sin)``, each ``(T, m)``: the ``m/2`` angles repeated twice (half-split layout).
+    """
+    dtype = dtype or torch.float32
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    i = torch.arange(0, head_dim, 2, device=positions.device, dtype=work)
+    inv_freq = base ** (-i / head_dim)  # (m/2,)
+    theta = positions.to(work)[:, None] * inv_freq[None, :]  # (T, m/2)
+    theta = torch.cat((theta, theta), dim=-1)  # (T, m)
+    return theta.cos().to(dtype), theta.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x: (..., T, m)`` pairwise: ``x' = x * cos(theta) + rotate_half(x) * sin(theta)``.
+
+    The pairs are ``(x_i, x_{i+m/2})`` (the half-split layout of GPT-NeoX / Llama), with
+    ``rotate_half(x) = concat(-x[..., m/2:], x[..., :m/2])``. ``cos``, ``sin``: ``(T, m)``.
+    """
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+@dataclass
+class KVCache:
+    """Decoding state of :class:`MultiHeadAttention`: the keys and values seen so far.
+
+    The buffers grow by doubling when full (amortised O(1) copies per token), so memory is
+    proportional to the decoded length, not to ``max_seq_len``.
+
+    Attributes:
+        k: keys ``(B, H, capacity, m)`` (rotated when the mixer is rotary); slots
+            ``[0, length)`` are filled.
+        v: values ``(B, H, capacity, m)``.
+        length: tokens seen so far, which is also the position of the next token.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    length: int = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store one token's ``k, v: (B, H, 1, m)`` at slot ``length``, growing if needed."""
+        cap = self.k.shape[2]
+        if self.length == cap:
+            new_cap = max(2 * cap, 16)
+            grow = (*self.k.shape[:2], new_cap - cap, self.k.shape[3])
+            self.k = torch.cat((self.k, self.k.new_zeros(grow)), dim=2)
+            self.v = torch.cat((self.v, self.v.new_zeros(grow)), dim=2)
+        self.k[:, :, self.length] = k[:, :, 0]
+        self.v[:, :, self.length] = v[:, :, 0]
+        self.length += 1
+
+
+@register_mixer("attention")
+class MultiHeadAttention(SequenceMixer):
+    """Multi-head (self-)attention as a sequence mixer, on the SDPA fast path.
+
+    Formula in the module docstring. The projections are one fused ``qkv: d -> 3 H m`` (the
+    layout of GPT-2's ``c_attn``: all query heads, then keys, then values) and
+    ``out_proj: H m -> d``; dropout (``dropout``) is applied to the output.
+
+    Args:
+        head_dim: per-head width ``m``; default ``d_model // n_heads``. ``n_heads * head_dim``
+            may differ from ``d_model``.
+        scaled: multiply logits by ``1/sqrt(m)`` (True, the paper's scaled dot product) or not.
+        rotary: rotate queries and keys by their positions (RoPE); needs an even ``head_dim``.
+        rotary_base: the RoPE base.
+        **common: ``d_model``, ``n_heads``, ``causal``, ``max_seq_len``, ``dropout``, ``bias``
+            (see :class:`~aftlab.mixers.SequenceMixer`). Attention has no maximum length of its
+            own: ``max_seq_len`` is accepted and not enforced.
+
+    Shapes:
+        ``forward``: ``x (B, T, d)``, ``padding_mask (B, T)`` bool -> ``(B, T, d)``.
+        ``step``: ``x (B, d)`` and a :class:`KVCache` -> ``(B, d)`` and the cache.
+
+    Example:
+        >>> import torch
+        >>> from aftlab.mixers import build_mixer
+        >>> attn = build_mixer("attention", d_model=32, n_heads=4, causal=True)
+        >>> attn(torch.randn(2, 5, 32)).shape
+        torch.Size([2, 5, 32])
+    """
+
+    def __init__(
+        self,
+        *,
+        head_dim: int | None = None,
+        scaled: bool = True,
+        rotary: bool = False,
+        rotary_base: float = 10000.0,
+        **common,
+    ) -> None:
+        super().__init__(**common)
+        where = type(self).__name__
+        if head_dim is None:
+            if self.d_model % self.n_heads:
+                raise ValueError(
+                    f"{where}: 'n_heads' = {self.n_heads} must divide d_model = {self.d_model} "
+                    "when 'head_dim' is not given (or pass head_dim explicitly)"
+                )
+            head_dim = self.d_model // self.n_heads
+        self.head_dim = check_positive_int(where, "head_dim", head_dim)
+        if rotary and head_dim % 2:
+            raise ValueError(f"{where}: 'head_dim' must be even for rotary=True, got {head_dim}")
+        if not float(rotary_base) > 0:
+            raise ValueError(f"{where}: 'rotary_base' must be > 0, got {rotary_base}")
+        self.scaled = bool(scaled)
+        self.rotary = bool(rotary)
+        self.rotary_base = float(rotary_base)
+        inner = self.n_heads * self.head_dim
+        self.qkv = nn.Linear(self.d_model, 3 * inner, bias=self.bias)
+        self.out_proj = nn.Linear(inner, self.d_model, bias=self.bias)
+        self.drop = nn.Dropout(self.dropout_p)
+
+    @property
+    def scale(self) -> float:
+        """The logit scale ``s``: ``1/sqrt(m)`` when ``scaled``, else 1."""
+        return self.head_dim**-0.5 if self.scaled else 1.0
+
+    # ------------------------------------------------------------------ pieces
+    def _project(
+        self, x: torch.Tensor, start: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x: (B, T, d)`` -> ``Q, K, V: (B, H, T, m)``; rotary at positions ``start + t``."""
+        B, T, _ = x.shape
+        q, k, v = (
+            t.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+            for t in self.qkv(x).chunk(3, dim=-1)
+        )
+        if self.rotary:
+            pos = torch.arange(start, start + T, device=x.device)
+            cos, sin = rotary_angles(pos, self.head_dim, base=self.rotary_base, dtype=q.dtype)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return q, k, v
+
+    def _output(self, y: torch.Tensor) -> torch.Tensor:
+        """``(B, H, T, m)`` -> ``dropout(concat_h(y_h) W^O)``: ``(B, T, d)``."""
+        B, _, T, _ = y.shape
+        return self.drop(
+            self.out_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        )
+
+    def _masks(
+        self, T: int, padding_mask: torch.Tensor | None, device: torch.device
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Allowed (query, key) pairs and which queries have any allowed key.
+
+        Returns:
+            ``(allowed, has_key)``: ``allowed`` is bool ``(B|1, 1, T, T)`` (None when every pair
+            is allowed, or when only the causal mask applies and the fast path handles it),
+            made safe: a row with no allowed key allows every key, and ``has_key (B, 1, T, 1)``
+            zeroes that query's output afterwards (0 rather than the NaN of an empty softmax;
+            the gradient through that row is 0 too).
+        """
+        if padding_mask is None:
+            return None, None
+        allowed = padding_mask[:, None, None, :]  # (B, 1, 1, T)
+        if self.causal:
+            allowed = allowed & torch.ones(T, T, dtype=torch.bool, device=device).tril()
+        else:
+            allowed = allowed.expand(-1, -1, T, -1)
+        has_key = allowed.any(dim=-1, keepdim=True)
+        return allowed | ~has_key, has_key
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        allowed: torch.Tensor | None,
+        causal: bool,
+    ) -> torch.Tensor:
+        """``softmax(s Q K^T + M) V`` per head: ``q (B, H, T, m)``, ``k, v (B, H, S, m)``.
+
+        ``causal`` (only with ``T == S``) masks ``t' > t``; ``allowed`` masks the rest.
+        """
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed, is_causal=causal and allowed is None, scale=self.scale
+        )
+
+    # ------------------------------------------------------------------ interface
+    def _check_input(
+        self, x: torch.Tensor, padding_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # like SequenceMixer._check_input, without the length limit: attention has none
+        where = type(self).__name__
+        check_tensor(where, "x", x, shape=(None, None, self.d_model), floating=True)
+        if padding_mask is not None:
+            check_tensor(where, "padding_mask", padding_mask, shape=tuple(x.shape[:2]))
+            if padding_mask.dtype != torch.bool:
+                raise TypeError(
+                    f"{where}: 'padding_mask' must be a bool tensor (True = real token), "
+                    f"got dtype {padding_mask.dtype}"
+                )
+        return x, padding_mask
+
+    def forward(self, x: torch.Tensor, *, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Attend over ``x: (B, T, d)``; padded keys (``padding_mask`` False) are ignored.
+
+        Returns:
+            ``(B, T, d)``. A query whose allowed keys are all padding outputs zeros.
+        """
+        x, padding_mask = self._check_input(x, padding_mask)
+        q, k, v = self._project(x, 0)
+        allowed, has_key = self._masks(x.shape[1], padding_mask, x.device)
+        out = self._output(self._attend(q, k, v, allowed, self.causal))
+        if has_key is not None:
+            out = out.masked_fill(~has_key[:, 0], 0.0)
+        return out
+
+    def init_state(
+        self,
+        batch_size: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> KVCache:
+        """An empty :class:`KVCache` for ``batch_size`` sequences (causal attention only)."""
+        where = type(self).__name__
+        if not self.causal:
+            raise RuntimeError(
+                f"{where}: init_state() needs a causal mixer; this one has causal=False"
+            )
+        check_positive_int(where, "batch_size", batch_size)
+        w = self.qkv.weight
+        shape = (batch_size, self.n_heads, 16, self.head_dim)
+        k = torch.zeros(shape, device=device or w.device, dtype=dtype or w.dtype)
+        return KVCache(k=k, v=torch.zeros_like(k), length=0)
+
+    def step(self, x: torch.Tensor, state: KVCache) -> tuple[torch.Tensor, KVCache]:
+        """Attend from one token ``x: (B, d)`` at position ``state.length`` to all tokens so far.
+
+        The token's key and value are appended to ``state`` (in place).
+
+        Returns:
+            ``(y, state)`` with ``y: (B, d)``.
+        """
+        x = self._check_step_input(x)
+        if not isinstance(state, KVCache):
+            raise TypeError(
+                f"{type(self).__name__}: 'state' must be a KVCache, got {type(state).__name__}"
+            )
+        if state.k.shape[0] != x.shape[0]:
+            raise ValueError(
+                f"{type(self).__name__}: 'x' has batch size {x.shape[0]} but 'state' was made for "
+                f"{state.k.shape[0]}"
+            )
+        q, k, v = self._project(x[:, None, :], state.length)
+        state.append(k, v)
+        L = state.length
+        y = self._attend(q, state.k[:, :, :L], state.v[:, :, :L], None, False)
+        return self._output(y)[:, 0], state
+
+    def extra_repr(self) -> str:
+        opts = f"head_dim={self.head_dim}, scaled={self.scaled}, rotary={self.rotary}"
+        return f"{super().extra_repr()}, {opts}"
+
+
+@register_mixer("attention-naive")
+class NaiveMultiHeadAttention(MultiHeadAttention):
+    """:class:`MultiHeadAttention` computed explicitly: the reference of the SDPA fast path.
+
+    ``A_h = softmax(s Q_h K_h^T + M)`` is materialised with einsum (``(B, H, T, T)``) and
+    ``y_h = A_h V_h``; same parameters, options and state as ``"attention"``.
+    """
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        allowed: torch.Tensor | None,
+        causal: bool,
+    ) -> torch.Tensor:
+        scores = torch.einsum("bhtm,bhsm->bhts", q, k) * self.scale  # s Q K^T: (B, H, T, S)
+        if causal:
+            T, S = scores.shape[-2:]
+            tril = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()
+            allowed = tril if allowed is None else allowed & tril
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = scores.softmax(dim=-1)  # each row sums to 1 over allowed keys
+        return torch.einsum("bhts,bhsm->bhtm", probs, v)

@@ -89,10 +89,21 @@ class TransformerConfig:
             _fail("mixer", "a registered mixer name (str)", self.mixer)
         if not isinstance(self.mixer_options, dict):
             _fail("mixer_options", "a dict", self.mixer_options)
-        if not 0.0 <= float(self.dropout) < 1.0:
+        try:
+            json.dumps(self.mixer_options)
+        except (TypeError, ValueError):
+            _fail("mixer_options", "a JSON-serialisable dict", self.mixer_options)
+        for name in ("dropout", "layer_norm_eps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                _fail(name, "a number", v)
+        if not 0.0 <= self.dropout < 1.0:
             _fail("dropout", "in [0, 1)", self.dropout)
-        if not float(self.layer_norm_eps) > 0:
+        if not self.layer_norm_eps > 0:
             _fail("layer_norm_eps", "> 0", self.layer_norm_eps)
+        for name in ("causal", "scaled", "bias", "tie_embeddings", "final_norm"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, "a bool", getattr(self, name))
 
     # derived sizes ------------------------------------------------------------
     @property

@@ -1,2 +1,683 @@
-"""Practical Transformer models (stub: being written)."""
-__all__: list[str] = []
+"""The practical Transformer on the mixer interface: language, classification and pixel models.
+
+All three share :class:`TransformerBackbone`: token embedding ``E``, positional encoding ``P``,
+``N`` :class:`~aftlab.models.blocks.TransformerBlock` s around the mixer ``config.mixer``, and a
+final LayerNorm. Batch-first: tokens ``(B, T)`` long, hidden states ``(B, T, d)``.
+
+``h_0 = dropout(E[idx] + P[0:T])``, ``h_l = Block_l(h_{l-1})``, ``h = LN_f(h_N)``; the LM's
+logits are ``h E^T`` with a tied head (``config.tie_embeddings``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._checks import check_choice, check_positive_int, check_tensor
+from ..mixers import MixerState
+from .blocks import FeedForward, TransformerBlock, mixer_options
+from .config import TransformerConfig
+from .generation import check_sampling_args, sample_next_token
+from .gpt2 import convert_gpt2_state_dict, gpt2_config_from_state_dict
+from .positional import sinusoidal_positions
+
+__all__ = [
+    "TransformerBackbone",
+    "TransformerBlock",
+    "FeedForward",
+    "DecodingCache",
+    "TransformerLM",
+    "TransformerClassifier",
+    "PixelTransformer",
+    "mixer_options",
+    "sinusoidal_positions",
+    "sample_next_token",
+]
+
+
+# --------------------------------------------------------------------------- validation
+def _check_config(where: str, config: object) -> TransformerConfig:
+    if not isinstance(config, TransformerConfig):
+        raise TypeError(
+            f"{where}: 'config' must be a TransformerConfig, got {type(config).__name__}"
+        )
+    return config
+
+
+def _check_tokens(
+    where: str, name: str, idx: object, *, ndim: int, vocab_size: int
+) -> torch.Tensor:
+    """``idx`` must be an integer tensor of rank ``ndim`` with ids in ``[0, vocab_size)``."""
+    shape = ("B", "T") if ndim == 2 else ("B",)
+    if not isinstance(idx, torch.Tensor):
+        raise TypeError(
+            f"{where}: '{name}' must be a torch.Tensor of token ids, got {type(idx).__name__}"
+        )
+    if idx.dim() != ndim:
+        raise ValueError(
+            f"{where}: '{name}' must have shape ({', '.join(shape)}{',' if ndim == 1 else ''}) "
+            f"of token ids, got {tuple(idx.shape)}"
+        )
+    if idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
+        raise TypeError(
+            f"{where}: '{name}' must be an integer (long) tensor of token ids, "
+            f"got dtype {idx.dtype}"
+        )
+    if ndim == 2 and idx.shape[1] == 0:
+        raise ValueError(
+            f"{where}: '{name}' must hold at least one token, got shape {tuple(idx.shape)}"
+        )
+    if idx.numel():
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(
+                f"{where}: '{name}' ids must be in [0, vocab_size={vocab_size}), "
+                f"got values in [{lo}, {hi}]"
+            )
+    return idx
+
+
+def _check_padding_mask(
+    where: str, mask: torch.Tensor | None, idx: torch.Tensor
+) -> torch.Tensor | None:
+    if mask is None:
+        return None
+    check_tensor(where, "padding_mask", mask, shape=tuple(idx.shape[:2]))
+    if mask.dtype != torch.bool:
+        raise TypeError(
+            f"{where}: 'padding_mask' must be a bool tensor (True = real token), "
+            f"got dtype {mask.dtype}"
+        )
+    return mask
+
+
+# --------------------------------------------------------------------------- backbone
+@dataclass
+class DecodingCache:
+    """State of incremental decoding: one mixer state per block and the next position.
+
+    Attributes:
+        states: ``states[l]`` is block ``l``'s mixer state (e.g. a
+            :class:`~aftlab.mixers.attention.KVCache`).
+        position: tokens consumed so far = position of the next token.
+        batch_size: ``B``.
+    """
+
+    states: list[MixerState]
+    position: int
+    batch_size: int
+
+
+class TransformerBackbone(nn.Module):
+    """Embeddings, blocks and final norm shared by every model here.
+
+    Positional encodings (``config.positional``): ``"learned"`` adds a trained table
+    ``P in R^{T_max x d}``; ``"sinusoidal"`` adds :func:`sinusoidal_positions`; ``"rotary"``
+    rotates queries and keys inside the mixer (needs a mixer accepting ``rotary``); ``"none"``
+    adds nothing. Embeddings are initialised ``N(0, 0.02^2)`` (GPT-2); mixers and linear layers
+    keep their own initialisation.
+
+    Args:
+        config: the model config.
+        where: the owning model's name, used in error messages.
+    """
+
+    def __init__(self, config: TransformerConfig, *, where: str = "TransformerBackbone") -> None:
+        super().__init__()
+        self.config = _check_config(where, config)
+        self.where = where
+        d = config.d_model
+        self.token_embedding = nn.Embedding(config.vocab_size, d)
+        self.position_embedding = (
+            nn.Embedding(config.max_seq_len, d) if config.positional == "learned" else None
+        )
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
+        self.final_norm = (
+            nn.LayerNorm(d, eps=config.layer_norm_eps) if config.final_norm else nn.Identity()
+        )
+        for emb in (self.token_embedding, self.position_embedding):
+            if emb is not None:
+                nn.init.normal_(emb.weight, std=0.02)
+
+    def positions(self, length: int, offset: int, like: torch.Tensor) -> torch.Tensor | None:
+        """Additive encodings ``(T, d)`` of positions ``offset .. offset+length-1`` (or None)."""
+        kind, t_max = self.config.positional, self.config.max_seq_len
+        if kind == "learned":
+            if offset + length > t_max:
+                raise ValueError(
+                    f"{self.where}: position {offset + length - 1} "
+                    f"(sequence length {offset + length}) "
+                    f"exceeds the learned positional table: max_seq_len = {t_max} positions "
+                    "(use a longer max_seq_len, or positional='sinusoidal'/'rotary')"
+                )
+            return self.position_embedding.weight[offset : offset + length]
+        if kind == "sinusoidal":
+            return sinusoidal_positions(
+                length, self.config.d_model, offset=offset, device=like.device, dtype=like.dtype
+            )
+        return None
+
+    def forward_embeddings(
+        self, h: torch.Tensor, *, padding_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Run token embeddings ``h: (B, T, d)`` (no positions yet) through the stack."""
+        pos = self.positions(h.shape[1], 0, h)
+        if pos is not None:
+            h = h + pos
+        h = self.drop(h)
+        for block in self.blocks:
+            h = block(h, padding_mask=padding_mask)
+        return self.final_norm(h)
+
+    def forward(
+        self, idx: torch.Tensor, *, padding_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Hidden states ``(B, T, d)`` of token ids ``idx: (B, T)``."""
+        return self.forward_embeddings(self.token_embedding(idx), padding_mask=padding_mask)
+
+    def init_cache(
+        self,
+        batch_size: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> DecodingCache:
+        """An empty :class:`DecodingCache`; every block's mixer must be causal."""
+        check_positive_int(self.where, "batch_size", batch_size)
+        if not self.config.causal:
+            raise RuntimeError(f"{self.where}: incremental decoding needs config.causal=True")
+        w = self.token_embedding.weight
+        device, dtype = device or w.device, dtype or w.dtype
+        states = [b.mixer.init_state(batch_size, device=device, dtype=dtype) for b in self.blocks]
+        return DecodingCache(states=states, position=0, batch_size=batch_size)
+
+    def step_embeddings(self, h: torch.Tensor, cache: DecodingCache) -> torch.Tensor:
+        """One decoding step from the input embedding ``h: (B, d)``; advances ``cache``."""
+        if not isinstance(cache, DecodingCache):
+            raise TypeError(
+                f"{self.where}: 'cache' must be a DecodingCache, got {type(cache).__name__}"
+            )
+        if h.shape[0] != cache.batch_size:
+            raise ValueError(
+                f"{self.where}: 'tokens' has batch size {h.shape[0]} but 'cache' was made for "
+                f"batch_size={cache.batch_size}"
+            )
+        pos = self.positions(1, cache.position, h)
+        if pos is not None:
+            h = h + pos[0]
+        h = self.drop(h)
+        for i, block in enumerate(self.blocks):
+            h, cache.states[i] = block.step(h, cache.states[i])
+        cache.position += 1
+        return self.final_norm(h)
+
+
+def _count(module: nn.Module, exclude: Sequence[nn.Module | None]) -> int:
+    skip = {id(p) for m in exclude if m is not None for p in m.parameters()}
+    return sum(p.numel() for p in module.parameters() if id(p) not in skip)
+
+
+# --------------------------------------------------------------------------- language model
+class TransformerLM(nn.Module):
+    """Causal language model: ``logits = LN_f(Blocks(E[idx] + P)) W_head^T``.
+
+    The head ``W_head: (V, d)`` is the token embedding itself when ``config.tie_embeddings``.
+    Decoding works with any causal mixer through its ``init_state``/``step``.
+
+    Args:
+        config: a :class:`TransformerConfig` with ``causal=True``.
+
+    Example:
+        >>> import torch
+        >>> from aftlab.models import TransformerConfig, TransformerLM
+        >>> lm = TransformerLM(TransformerConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4,
+        ...                                      max_seq_len=16)).eval()
+        >>> lm(torch.randint(0, 50, (2, 7))).shape
+        torch.Size([2, 7, 50])
+        >>> lm.generate(torch.zeros(2, 3, dtype=torch.long), 5, temperature=0).shape
+        torch.Size([2, 8])
+    """
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        where = type(self).__name__
+        _check_config(where, config)
+        if not config.causal:
+            raise ValueError(
+                f"{where}: a language model needs config.causal=True, got False "
+                "(TransformerClassifier is the bidirectional encoder)"
+            )
+        self.config = config
+        self.backbone = TransformerBackbone(config, where=where)
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.head.weight = self.backbone.token_embedding.weight
+
+    def forward(
+        self, idx: torch.Tensor, *, padding_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Next-token logits.
+
+        Args:
+            idx: token ids ``(B, T)``, ``T <= max_seq_len`` with learned positions.
+            padding_mask: bool ``(B, T)``, True for real tokens; padded keys are ignored.
+
+        Returns:
+            ``(B, T, vocab_size)``: ``logits[:, t]`` scores token ``t + 1``.
+        """
+        where = type(self).__name__
+        _check_tokens(where, "idx", idx, ndim=2, vocab_size=self.config.vocab_size)
+        _check_padding_mask(where, padding_mask, idx)
+        return self.head(self.backbone(idx, padding_mask=padding_mask))
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Number of parameters (a tied head counted once).
+
+        Args:
+            exclude_embeddings: leave out the token embedding and the learned positional table
+                (the HF convention; an untied head is still counted).
+        """
+        bb = self.backbone
+        return _count(
+            self, [bb.token_embedding, bb.position_embedding] if exclude_embeddings else []
+        )
+
+    # ------------------------------------------------------------------ decoding
+    def init_cache(
+        self,
+        batch_size: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> DecodingCache:
+        """An empty :class:`DecodingCache` (the model's device and dtype by default)."""
+        return self.backbone.init_cache(batch_size, device=device, dtype=dtype)
+
+    def step(self, tokens: torch.Tensor, cache: DecodingCache) -> torch.Tensor:
+        """Feed one token per sequence at position ``cache.position``; updates ``cache`` in place.
+
+        Args:
+            tokens: ``(B,)`` token ids.
+            cache: from :meth:`init_cache`.
+
+        Returns:
+            ``(B, vocab_size)`` logits of the next token; equal to ``forward`` on the whole
+            prefix at its last position.
+        """
+        where = type(self).__name__
+        _check_tokens(where, "tokens", tokens, ndim=1, vocab_size=self.config.vocab_size)
+        h = self.backbone.step_embeddings(self.backbone.token_embedding(tokens), cache)
+        return self.head(h)
+
+    def _check_generate(
+        self, prompt: torch.Tensor, max_new_tokens: int, temperature: float, top_k: int | None
+    ) -> None:
+        where = f"{type(self).__name__}.generate"
+        _check_tokens(where, "prompt", prompt, ndim=2, vocab_size=self.config.vocab_size)
+        check_positive_int(where, "max_new_tokens", max_new_tokens, allow_zero=True)
+        check_sampling_args(
+            where, temperature=temperature, top_k=top_k, vocab_size=self.config.vocab_size
+        )
+        total = prompt.shape[1] + max_new_tokens
+        if self.config.positional == "learned" and total > self.config.max_seq_len:
+            raise ValueError(
+                f"{where}: prompt length {prompt.shape[1]} + max_new_tokens {max_new_tokens} "
+                f"= {total} exceeds max_seq_len = {self.config.max_seq_len}, the size of the "
+                "learned positional table"
+            )
+
+    def stream_generate(
+        self,
+        prompt: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Iterator[torch.Tensor]:
+        """Like :meth:`generate`, yielding each new token ``(B,)`` as soon as it is drawn.
+
+        Arguments are checked when called (before the first token).
+        """
+        self._check_generate(prompt, max_new_tokens, temperature, top_k)
+        return self._stream(prompt, max_new_tokens, temperature, top_k, generator)
+
+    @torch.no_grad()
+    def _stream(
+        self,
+        prompt: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int | None,
+        generator: torch.Generator | None,
+    ) -> Iterator[torch.Tensor]:
+        if max_new_tokens == 0:
+            return
+        cache = self.init_cache(prompt.shape[0])
+        for t in range(prompt.shape[1]):  # prefill token by token: works with any causal mixer
+            logits = self.step(prompt[:, t], cache)
+        for i in range(max_new_tokens):
+            token = sample_next_token(
+                logits, temperature=temperature, top_k=top_k, generator=generator
+            )
+            yield token
+            if i + 1 < max_new_tokens:
+                logits = self.step(token, cache)
+
+    def generate(
+        self,
+        prompt: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Continue ``prompt`` by sampling ``max_new_tokens`` tokens autoregressively.
+
+        Each token is drawn from ``softmax(logits / temperature)`` over the ``top_k`` largest
+        logits (:func:`~aftlab.models.generation.sample_next_token`); ``temperature=0`` is greedy.
+        Runs under ``torch.no_grad()``; call ``model.eval()`` first to disable dropout.
+
+        Args:
+            prompt: ``(B, T0)`` token ids, ``T0 >= 1``.
+            max_new_tokens: ``N >= 0``.
+            temperature: ``>= 0``.
+            top_k: ``None`` or ``1 <= k <= vocab_size``.
+            generator: a ``torch.Generator`` for reproducible sampling.
+
+        Returns:
+            ``(B, T0 + N)``: the prompt followed by the new tokens.
+
+        Raises:
+            ValueError: ``T0 + N > max_seq_len`` with learned positions; bad arguments.
+        """
+        new = list(
+            self.stream_generate(
+                prompt, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator
+            )
+        )
+        return torch.cat([prompt, *(t[:, None] for t in new)], dim=1)
+
+    # ------------------------------------------------------------------ GPT-2
+    @classmethod
+    def from_gpt2_state_dict(
+        cls,
+        state_dict: Mapping[str, torch.Tensor],
+        *,
+        config: TransformerConfig | None = None,
+        n_heads: int | None = None,
+        layer_norm_eps: float = 1e-5,
+    ) -> TransformerLM:
+        """Build a model from a Hugging Face ``GPT2LMHeadModel`` (or ``GPT2Model``) state dict.
+
+        The config is inferred from the shapes
+        (:func:`~aftlab.models.gpt2.gpt2_config_from_state_dict`) unless given; the number of
+        heads is not in the shapes, so pass ``n_heads`` (``GPT2Config.n_head``) or a ``config``.
+
+        Example:
+            >>> from transformers import GPT2Config, GPT2LMHeadModel   # doctest: +SKIP
+            >>> hf = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=100))
+            >>> lm = TransformerLM.from_gpt2_state_dict(hf.state_dict(), n_heads=2)
+
+        Raises:
+            ValueError: ``n_heads`` missing or not dividing ``n_embd``; a missing, unexpected or
+                wrongly shaped tensor (named with expected and received shape).
+        """
+        where = f"{cls.__name__}.from_gpt2_state_dict"
+        if config is None:
+            if n_heads is None:
+                raise ValueError(
+                    f"{where}: pass 'n_heads' (GPT2Config.n_head; not recoverable from the "
+                    "shapes) or 'config'"
+                )
+            config = gpt2_config_from_state_dict(
+                state_dict, n_heads=n_heads, layer_norm_eps=layer_norm_eps
+            )
+        model = cls(config)
+        converted = convert_gpt2_state_dict(state_dict, config)
+        own = model.state_dict()
+        for key, value in converted.items():
+            if key not in own:
+                raise ValueError(
+                    f"{where}: 'state_dict' has {key!r}, which the config's model does not"
+                )
+            if tuple(value.shape) != tuple(own[key].shape):
+                raise ValueError(
+                    f"{where}: {key!r} must have shape {tuple(own[key].shape)} for this config, "
+                    f"got {tuple(value.shape)}"
+                )
+        missing = sorted(set(own) - set(converted))
+        if missing:
+            raise ValueError(f"{where}: 'state_dict' lacks {missing[:8]} for this config")
+        if config.tie_embeddings and not torch.equal(
+            converted["head.weight"], converted["backbone.token_embedding.weight"]
+        ):
+            raise ValueError(
+                f"{where}: config.tie_embeddings=True but lm_head.weight differs from wte.weight"
+            )
+        model.load_state_dict(converted)
+        return model
+
+
+# --------------------------------------------------------------------------- classifier
+class TransformerClassifier(nn.Module):
+    """Bidirectional encoder with a classification head.
+
+    ``logits = W_c pool(h) + b_c`` with ``h = Backbone(idx)``; ``pool`` is the mean over real
+    tokens (``sum_t m_t h_t / sum_t m_t`` with the padding mask ``m``) or the first token.
+
+    Args:
+        config: a :class:`TransformerConfig` with ``causal=False``.
+        num_classes: ``C``.
+        pooling: ``"mean"`` or ``"first"``.
+    """
+
+    def __init__(
+        self, config: TransformerConfig, *, num_classes: int, pooling: str = "mean"
+    ) -> None:
+        super().__init__()
+        where = type(self).__name__
+        _check_config(where, config)
+        if config.causal:
+            raise ValueError(f"{where}: an encoder needs config.causal=False, got True")
+        self.num_classes = check_positive_int(where, "num_classes", num_classes)
+        self.pooling = check_choice(where, "pooling", pooling, ("mean", "first"))
+        self.config = config
+        self.backbone = TransformerBackbone(config, where=where)
+        self.head = nn.Linear(config.d_model, num_classes)
+
+    def forward(
+        self, idx: torch.Tensor, *, padding_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Class logits ``(B, num_classes)`` of token ids ``idx: (B, T)``.
+
+        Padding tokens (``padding_mask`` False) change neither attention nor the mean.
+        """
+        where = type(self).__name__
+        _check_tokens(where, "idx", idx, ndim=2, vocab_size=self.config.vocab_size)
+        _check_padding_mask(where, padding_mask, idx)
+        h = self.backbone(idx, padding_mask=padding_mask)
+        if self.pooling == "first":
+            pooled = h[:, 0]
+        elif padding_mask is None:
+            pooled = h.mean(dim=1)
+        else:
+            m = padding_mask[..., None].to(h.dtype)
+            pooled = (h * m).sum(dim=1) / m.sum(dim=1).clamp(min=1.0)
+        return self.head(pooled)
+
+
+# --------------------------------------------------------------------------- pixels
+class PixelTransformer(nn.Module):
+    """Autoregressive model of flattened images: ``p(x) = prod_t p(x_t | x_<t)``.
+
+    The input sequence is ``[s, x_0, ..., x_{N-2}]`` with ``s`` a learned start embedding, so
+    ``logits[:, t]`` predicts pixel (sub-pixel) ``x_t`` for every ``t``, the first included.
+    ``vocab_size`` is the number of intensity levels (17 for 8x8 digits, 256 for CIFAR-10).
+    The flattening order is the caller's (e.g. raster order, channels last).
+
+    Args:
+        config: a causal :class:`TransformerConfig` with ``max_seq_len >= prod(image_shape)``.
+        image_shape: e.g. ``(8, 8)`` or ``(3, 32, 32)``; ``N = prod(image_shape)``.
+
+    Example:
+        >>> from aftlab.models import PixelTransformer, TransformerConfig
+        >>> cfg = TransformerConfig(vocab_size=17, d_model=32, n_layers=2, n_heads=4,
+        ...                         max_seq_len=64)
+        >>> model = PixelTransformer(cfg, image_shape=(8, 8))
+        >>> model.sample(2, temperature=1.0).shape
+        torch.Size([2, 64])
+    """
+
+    def __init__(self, config: TransformerConfig, *, image_shape: Sequence[int]) -> None:
+        super().__init__()
+        where = type(self).__name__
+        _check_config(where, config)
+        if not config.causal:
+            raise ValueError(
+                f"{where}: an autoregressive model needs config.causal=True, got False"
+            )
+        if not isinstance(image_shape, Sequence) or not image_shape:
+            raise TypeError(
+                f"{where}: 'image_shape' must be a non-empty sequence of ints, got {image_shape!r}"
+            )
+        for i, s in enumerate(image_shape):
+            check_positive_int(where, f"image_shape[{i}]", s)
+        self.image_shape = tuple(image_shape)
+        self.num_pixels = math.prod(self.image_shape)
+        if self.num_pixels > config.max_seq_len:
+            raise ValueError(
+                f"{where}: image_shape {self.image_shape} has {self.num_pixels} (sub-)pixels, more "
+                f"than config.max_seq_len = {config.max_seq_len}"
+            )
+        self.config = config
+        self.backbone = TransformerBackbone(config, where=where)
+        self.start = nn.Parameter(torch.randn(config.d_model) * 0.02)
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.head.weight = self.backbone.token_embedding.weight
+
+    def _flatten(self, pixels: torch.Tensor) -> torch.Tensor:
+        where = type(self).__name__
+        is_image = len(self.image_shape) > 1 and isinstance(pixels, torch.Tensor)
+        if is_image and pixels.dim() == 1 + len(self.image_shape):
+            if tuple(pixels.shape[1:]) != self.image_shape:
+                raise ValueError(
+                    f"{where}: 'pixels' must have shape (B, N) or (B, *{self.image_shape}), "
+                    f"got {tuple(pixels.shape)}"
+                )
+            pixels = pixels.flatten(1)
+        _check_tokens(where, "pixels", pixels, ndim=2, vocab_size=self.config.vocab_size)
+        if pixels.shape[1] > self.num_pixels:
+            raise ValueError(
+                f"{where}: 'pixels' must have at most N = {self.num_pixels} positions, "
+                f"got shape {tuple(pixels.shape)}"
+            )
+        return pixels
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Logits ``(B, T, V)`` for ``pixels: (B, T)`` (``T <= N``) or ``(B, *image_shape)``.
+
+        ``logits[:, t]`` is the distribution of ``pixels[:, t]`` given ``pixels[:, :t]``.
+        """
+        pixels = self._flatten(pixels)
+        B = pixels.shape[0]
+        emb = self.backbone.token_embedding(pixels[:, :-1])
+        h = torch.cat([self.start.to(emb.dtype).expand(B, 1, -1), emb], dim=1)
+        return self.head(self.backbone.forward_embeddings(h))
+
+    def bits_per_dim(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Bits per (sub-)pixel ``-(1/N) sum_t log2 p(x_t | x_<t)``: ``(B,)``."""
+        pixels = self._flatten(pixels)
+        logits = self(pixels)
+        nll = F.cross_entropy(logits.transpose(1, 2).float(), pixels, reduction="none")
+        return nll.mean(dim=1) / math.log(2.0)
+
+    def init_cache(
+        self,
+        batch_size: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> DecodingCache:
+        """An empty :class:`DecodingCache`; the first :meth:`step` consumes the start token."""
+        return self.backbone.init_cache(batch_size, device=device, dtype=dtype)
+
+    def step(self, pixels: torch.Tensor | None, cache: DecodingCache) -> torch.Tensor:
+        """Feed the previous pixel ``(B,)`` (``None`` at position 0: the start token).
+
+        Returns:
+            ``(B, vocab_size)`` logits of pixel ``cache.position`` (before the call).
+        """
+        where = type(self).__name__
+        if cache.position >= self.num_pixels:
+            raise ValueError(f"{where}: all N = {self.num_pixels} pixels have been decoded")
+        if cache.position == 0:
+            if pixels is not None:
+                raise ValueError(f"{where}: the first step takes pixels=None (the start token)")
+            h = self.start.expand(cache.batch_size, -1)
+        else:
+            _check_tokens(where, "pixels", pixels, ndim=1, vocab_size=self.config.vocab_size)
+            h = self.backbone.token_embedding(pixels)
+        return self.head(self.backbone.step_embeddings(h, cache))
+
+    @torch.no_grad()
+    def sample(
+        self,
+        batch_size: int,
+        *,
+        prefix: torch.Tensor | None = None,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Sample ``batch_size`` images pixel by pixel, optionally completing a known ``prefix``.
+
+        Args:
+            batch_size: ``B``.
+            prefix: ``(B, T0)`` known first pixels (``T0 <= N``), or None.
+            temperature, top_k, generator: as in :meth:`TransformerLM.generate`.
+
+        Returns:
+            ``(B, N)`` long; ``.view(B, *image_shape)`` restores the images.
+        """
+        where = f"{type(self).__name__}.sample"
+        check_positive_int(where, "batch_size", batch_size)
+        check_sampling_args(
+            where, temperature=temperature, top_k=top_k, vocab_size=self.config.vocab_size
+        )
+        known = 0
+        if prefix is not None:
+            prefix = self._flatten(prefix)
+            if prefix.shape[0] != batch_size:
+                raise ValueError(
+                    f"{where}: 'prefix' must have shape ({batch_size}, T0), "
+                    f"got {tuple(prefix.shape)}"
+                )
+            known = prefix.shape[1]
+        cache = self.init_cache(batch_size)
+        out: list[torch.Tensor] = []
+        prev = None
+        for t in range(self.num_pixels):
+            if t < known:
+                h = (
+                    self.start.expand(batch_size, -1)
+                    if prev is None
+                    else self.backbone.token_embedding(prev)
+                )
+                self.backbone.step_embeddings(h, cache)  # only advance the state; no logits needed
+                prev = prefix[:, t]
+            else:
+                logits = self.step(prev, cache)
+                prev = sample_next_token(
+                    logits, temperature=temperature, top_k=top_k, generator=generator
+                )
+            out.append(prev)
+        return torch.stack(out, dim=1)

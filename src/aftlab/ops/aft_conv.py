@@ -1,9 +1,496 @@
-"""AFT-conv (stub: being written; see the issue 'The AFT family')."""
+r"""AFT-conv: AFT-local with a per-head convolution kernel as position bias, 1-D and 2-D.
+
+Per head ``i`` (``h`` heads of ``c`` channels; the key may have one channel per head, broadcast
+over the head's channels), with kernel ``w^i`` of size ``s`` (the paper, Zhai et al. 2021):
+
+.. math::
+
+    Y^i_t = \sigma(Q^i_t) \odot
+      \frac{\mathrm{conv}(e^{K^i} \odot V^i, e^{w^i} - 1)_t + \sum_{t'} e^{K^i_{t'}} V^i_{t'}}
+           {\mathrm{conv}(e^{K^i}, e^{w^i} - 1)_t + \sum_{t'} e^{K^i_{t'}}}
+    = \sigma(Q^i_t) \odot \sum_{t'} \mathrm{softmax}_{t'}(K^i_{t'} + w^i_{t,t'})\, V^i_{t'}
+
+where ``w^i_{t,t'}`` is the kernel entry acting on ``t'`` inside the kernel footprint and 0
+outside it (AFT-local with a Toeplitz bias). Kernel alignment follows ``F.conv1d``
+(cross-correlation): non-causal (odd ``s``), ``w[:, j]`` acts on ``t' = t + j - s//2``; causal,
+``w[:, j]`` acts on ``t' = t + j - (s - 1)`` (``w[:, -1]`` is the current token) and every sum
+runs over ``t' <= t`` only. In 2-D, ``w[:, a, b]`` acts on ``(i + a - s//2, j + b - s//2)``.
+
+How it is computed, exactly for any finite input (no ``exp`` of an unshifted quantity, no
+"global sum minus in-footprint sum" cancellation):
+
+* **Outside the footprint** the bias is 0, so the terms are plain prefix/suffix sums of
+  ``e^{K} V``, taken with the stable scan :func:`aftlab.ops.scan.stable_prefix_average` (a
+  log-sum ``L`` and a bounded weighted average ``A``) and read at the footprint's edges:
+  causal, the prefix at ``t - s``; non-causal 1-D, the prefix at ``t - s//2 - 1`` and the
+  suffix at ``t + s//2 + 1``; 2-D, rows above/below the box (scans over whole rows) plus, in
+  each of the box's rows, the row prefix/suffix left/right of the box.
+* **Inside the footprint** (``s`` or ``s^2`` offsets) each term ``K_{t'} + w_{t,t'}`` is
+  shifted by the per-(t, channel) maximum ``m_t`` over the footprint and the outside log-sum, so
+  every exponential is ``<= 1`` and one of them is exactly 1 (the denominator is ``>= 1``).
+* The backward pass is written by hand (a custom autograd function) with the same structure:
+  with ``P_{t,t'} = e^{K_{t'} + w_{t,t'} - Z_t}`` (``Z_t`` the log of the denominator) and
+  ``dO = dY \odot \sigma(Q)``, ``D_t = dO_t \cdot O_t``:
+  ``dV_{t'} = \sum_t P_{t,t'} dO_t``, ``dK_{t'} = \sum_t P_{t,t'} (dO_t \cdot V_{t'} - D_t)``,
+  ``dw_j = \sum_{(t,t') \text{ at } j} P_{t,t'} (dO_t \cdot V_{t'} - D_t)``; the outside part
+  is again a stable scan with keys ``-Z_t`` and values ``[dO_t, D_t]`` (the transposed edge).
+
+Cost: time ``O(T s d)`` (``O(HW s^2 d)`` in 2-D), memory ``O(T d)``: loops over the ``s``
+kernel offsets on ``(B, T, h, c)`` tensors; nothing of size ``T x s x d`` is ever stored.
+fp16/bf16 inputs are computed in float32, float64 in float64; the result has ``q``'s dtype.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 
-def aft_conv(*args, **kwargs):
-    raise NotImplementedError("aft_conv is not implemented yet")
-def aft_conv2d(*args, **kwargs):
-    raise NotImplementedError("aft_conv2d is not implemented yet")
+import torch
+
+from .._checks import check_compatible, check_tensor
+from .scan import stable_prefix_average
+
+__all__ = ["aft_conv", "aft_conv2d", "aft_conv_reference", "aft_conv2d_reference"]
+
+_NEG_INF = float("-inf")
+
+
+# --------------------------------------------------------------------------- helpers
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _shift(x: torch.Tensor, d: int, dim: int, fill: float) -> torch.Tensor:
+    """``y[..., i, ...] = x[..., i + d, ...]`` along ``dim``; ``fill`` where ``i + d`` is out of range."""
+    n = x.shape[dim]
+    if d == 0:
+        return x
+    y = torch.full_like(x, fill)
+    if abs(d) < n:
+        if d > 0:
+            y.narrow(dim, 0, n - d).copy_(x.narrow(dim, d, n - d))
+        else:
+            y.narrow(dim, -d, n + d).copy_(x.narrow(dim, 0, n + d))
+    return y
+
+
+def _combine(terms: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge log-sum/average pairs: ``L = log sum_i e^{L_i}``, ``A = sum_i e^{L_i - L} A_i``.
+
+    A pair with ``L_i = -inf`` (an empty sum) contributes nothing; if all are empty the result is
+    ``(-inf, 0)``.
+    """
+    if len(terms) == 1:
+        return terms[0]
+    m = terms[0][0]
+    for L, _ in terms[1:]:
+        m = torch.maximum(m, L)
+    ms = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    den = torch.zeros_like(ms)
+    num = torch.zeros_like(terms[0][1])
+    for L, A in terms:
+        e = torch.exp(L - ms)
+        den = den + e
+        num = num + e * A
+    L = ms + torch.log(den)
+    A = torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(num))
+    return L, A
+
+
+def _scan(keys: torch.Tensor, vals: torch.Tensor, *, reverse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stable prefix (or suffix) log-sum and average over dim 1 of ``(N, T, D)`` tensors.
+
+    Runs in the dtype of ``keys`` (float64 here: log-sums of magnitude 1e4 need it).
+
+    ``-inf`` keys mean "absent"; they are always absent for all ``D`` channels of a position
+    together (padding, or a query with no valid key), so they go to the scan as its padding mask.
+    """
+    present = torch.isfinite(keys[..., 0])
+    k = torch.where(present[..., None], keys, torch.zeros_like(keys))
+    return stable_prefix_average(k, vals.to(k.dtype), reverse=reverse, padding_mask=present)
+
+
+def _outside_box(keys: torch.Tensor, vals: torch.Tensor, half: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-sum and average of ``e^{keys} vals`` over the positions **outside** each position's box.
+
+    ``keys``, ``vals``: ``(B, H, W, D)``; the box of ``(i, j)`` is ``|r - i| <= half`` and
+    ``|col - j| <= half``. Outside = rows above the box + rows below the box + in each of the
+    box's rows, the columns left and right of it; each part is a stable scan read at the box
+    edge. The relation "outside the box" is symmetric, so this also computes its transpose.
+    """
+    B, H, W, D = keys.shape
+    k2, v2 = keys.reshape(B * H, W, D), vals.reshape(B * H, W, D)
+    Lp, Ap = (x.reshape(B, H, W, D) for x in _scan(k2, v2, reverse=False))
+    Ls, As = (x.reshape(B, H, W, D) for x in _scan(k2, v2, reverse=True))
+    # in the same row: columns < j - half (prefix at j - half - 1) and > j + half (suffix)
+    row = _combine([
+        (_shift(Lp, -(half + 1), 2, _NEG_INF), _shift(Ap, -(half + 1), 2, 0.0)),
+        (_shift(Ls, half + 1, 2, _NEG_INF), _shift(As, half + 1, 2, 0.0)),
+    ])
+    # ... summed over the box's rows i - half .. i + half
+    terms = [
+        (_shift(row[0], di, 1, _NEG_INF), _shift(row[1], di, 1, 0.0))
+        for di in range(-min(half, H - 1), min(half, H - 1) + 1)
+    ]
+    if H > half + 1:
+        # whole rows above (prefix over rows, read at i - half - 1) and below (suffix, i + half + 1)
+        Lr, Ar = Lp[:, :, -1], Ap[:, :, -1]  # (B, H, D): each row's total
+        Lu, Au = _scan(Lr, Ar, reverse=False)
+        Ld, Ad = _scan(Lr, Ar, reverse=True)
+        for L, A, d in ((Lu, Au, -(half + 1)), (Ld, Ad, half + 1)):
+            terms.append((_shift(L, d, 1, _NEG_INF)[:, :, None], _shift(A, d, 1, 0.0)[:, :, None]))
+    L, A = _combine(terms)
+    return L.expand(B, H, W, D), A.expand(B, H, W, D)
+
+
+def _outside_causal(
+    keys: torch.Tensor, vals: torch.Tensor, s: int, *, transpose: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal outside part over ``(B, T, D)``: sum over ``t' <= t - s`` (the prefix read at
+    ``t - s``); with ``transpose``, over ``t' >= t + s`` (the suffix read at ``t + s``)."""
+    L, A = _scan(keys, vals, reverse=transpose)
+    d = s if transpose else -s
+    return _shift(L, d, 1, _NEG_INF), _shift(A, d, 1, 0.0)
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    """Where the kernel acts. Grid ``(H, W)`` (1-D: ``H = 1``); ``offsets[n] = (di, dj)`` is the
+    offset of the key acted on by flattened kernel entry ``n``; pads are the grid margins."""
+
+    H: int
+    W: int
+    s: int
+    causal: bool
+    offsets: tuple[tuple[int, int, int], ...]  # (di, dj, flat kernel index), in-range ones only
+    pad_h: int
+    pad_w_left: int
+    pad_w_right: int
+
+    @staticmethod
+    def make(H: int, W: int, s: int, *, causal: bool, two_d: bool) -> _Geometry:
+        if causal:
+            lo, hi = s - 1, 0
+        else:
+            lo = hi = s // 2
+        offs = []
+        if two_d:
+            P = s // 2
+            for a in range(s):
+                for b in range(s):
+                    di, dj = a - P, b - P
+                    if abs(di) < H and abs(dj) < W:
+                        offs.append((di, dj, a * s + b))
+            ph = min(P, H - 1)
+        else:
+            for j in range(s):
+                dj = j - lo
+                if abs(dj) < W:
+                    offs.append((0, dj, j))
+            ph = 0
+        return _Geometry(H, W, s, causal, tuple(offs), ph, min(lo, W - 1), min(hi, W - 1))
+
+    def pad(self, x: torch.Tensor, fill: float) -> torch.Tensor:
+        """``(B, H, W, ...)`` -> ``(B, H + 2 pad_h, W + pad_w_left + pad_w_right, ...)``."""
+        B, H, W = x.shape[:3]
+        shape = (B, H + 2 * self.pad_h, W + self.pad_w_left + self.pad_w_right, *x.shape[3:])
+        y = x.new_full(shape, fill)
+        y[:, self.pad_h : self.pad_h + H, self.pad_w_left : self.pad_w_left + W] = x
+        return y
+
+    def window(self, xp: torch.Tensor, di: int, dj: int) -> torch.Tensor:
+        """View of a padded tensor at the keys ``(i + di, j + dj)`` of every query ``(i, j)``."""
+        i0, j0 = self.pad_h + di, self.pad_w_left + dj
+        return xp[:, i0 : i0 + self.H, j0 : j0 + self.W]
+
+    def interior(self, xp: torch.Tensor) -> torch.Tensor:
+        return self.window(xp, 0, 0)
+
+    def outside(self, keys: torch.Tensor, vals: torch.Tensor, *, transpose: bool):
+        """Outside-footprint ``(L, A)`` of ``keys, vals: (B, H, W, h, C)`` (same shape)."""
+        B, H, W, h, C = vals.shape
+        if self.causal:
+            L, A = _outside_causal(
+                keys.reshape(B, W, h * C), vals.reshape(B, W, h * C), self.s, transpose=transpose
+            )
+        else:  # symmetric relation: its transpose is itself
+            L, A = _outside_box(keys.reshape(B, H, W, h * C), vals.reshape(B, H, W, h * C), self.s // 2)
+        return L.reshape(B, H, W, h, C), A.reshape(B, H, W, h, C)
+
+
+def _reduce_to(x: torch.Tensor, ck: int) -> torch.Tensor:
+    """Sum a head's channels when the key has one channel per head (``ck == 1``)."""
+    return x.sum(-1, keepdim=True) if ck == 1 else x
+
+
+class _AFTConvFunction(torch.autograd.Function):
+    """Grid form ``q, v: (B, H, W, h, c)``, ``k: (B, H, W, h, ck)``, ``w: (h, n)`` flattened kernel,
+    ``mask: (B, H, W)`` bool or None. Returns ``Y`` in ``q``'s dtype."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, w, mask, geom: _Geometry):
+        ctx.in_dtypes = (q.dtype, k.dtype, v.dtype, w.dtype)
+        cdt, ldt = _compute_dtype(q.dtype), torch.float64
+        # log-domain quantities (K, w, shifts, log-sums; ck channels) in float64, so K + w - m is
+        # exact even at |K|, |w| ~ 1e4; value-weighted sums (c channels) in the compute dtype
+        q, v = q.to(cdt), v.to(cdt)
+        k, w = k.to(ldt), w.to(ldt)
+        c, ck = v.shape[-1], k.shape[-1]
+        if mask is not None:
+            k = k.masked_fill(~mask[..., None, None], _NEG_INF)  # padded keys: e^{-inf} = 0
+        # outside the footprint: stable scans read at the footprint edges
+        L_out, A_out = geom.outside(k.expand_as(v), v, transpose=False)
+        L_out = L_out[..., :ck]  # identical over a head's channels when ck == 1
+        kp, vp = geom.pad(k, _NEG_INF), geom.pad(v, 0.0)
+        wb = w.view(1, 1, 1, *w.shape, 1)  # (1, 1, 1, h, n, 1)
+        # pass 1: per-(t, channel) shift m_t = max(L_out, max_j K_{t+j} + w_j)
+        m = L_out
+        for di, dj, n in geom.offsets:
+            m = torch.maximum(m, geom.window(kp, di, dj) + wb[..., n, :])
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        # pass 2: den = sum e^{K + w - m}, num = sum e^{K + w - m} V (every exponent <= 0)
+        den = torch.exp(L_out - m)
+        num = den.to(cdt) * A_out.to(cdt)
+        for di, dj, n in geom.offsets:
+            p = torch.exp(geom.window(kp, di, dj) + wb[..., n, :] - m)
+            den = den + p
+            num.addcmul_(p.to(cdt), geom.window(vp, di, dj))
+        valid = den > 0  # False only for a query with no valid key
+        O = num / torch.where(valid, den, torch.ones_like(den)).to(cdt)  # num = 0 where not valid
+        Z = torch.where(valid, m + torch.log(den), torch.full_like(den, _NEG_INF))  # log-denominator
+        ctx.save_for_backward(q, k, v, w, Z, O)
+        ctx.geom = geom
+        return (torch.sigmoid(q) * O).to(ctx.in_dtypes[0])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gY):
+        q, k, v, w, Z, O = ctx.saved_tensors
+        geom: _Geometry = ctx.geom
+        c, ck, cdt = v.shape[-1], k.shape[-1], v.dtype
+        gY = gY.to(cdt)
+        sig = torch.sigmoid(q)
+        dq = gY * O * sig * (1 - sig)
+        dO = gY * sig
+        Dt = _reduce_to(dO * O, ck)  # D_t = dO_t . O_t (over the channels sharing a key)
+        # outside part: key t' gets sum over queries t whose footprint excludes t' of
+        # e^{K_t' - Z_t} [dO_t, D_t]: a stable scan with keys -Z_t, read at the transposed edge
+        negZ = -Z
+        keys = torch.cat([negZ.expand_as(dO), negZ], -1)
+        Lb, Ab = geom.outside(keys, torch.cat([dO, Dt], -1), transpose=True)
+        f = torch.exp(k + Lb[..., :ck])  # <= T: K_t' - Z_t <= 0 for every t
+        dv = (f * Ab[..., :c]).to(cdt)
+        dk = _reduce_to(v * dv, ck).to(k.dtype) - f * Ab[..., c:]
+        # inside the footprint: P_{t,j} = e^{K_{t+j} + w_j - Z_t}, accumulated in the query frame
+        Zs = torch.where(torch.isfinite(Z), Z, torch.zeros_like(Z))
+        kp, vp = geom.pad(k, _NEG_INF), geom.pad(v, 0.0)
+        dkp, dvp = geom.pad(dk, 0.0), geom.pad(dv, 0.0)
+        dw = torch.zeros_like(w)
+        wb = w.view(1, 1, 1, *w.shape, 1)
+        for di, dj, n in geom.offsets:
+            p = torch.exp(geom.window(kp, di, dj) + wb[..., n, :] - Zs)
+            geom.window(dvp, di, dj).addcmul_(p.to(cdt), dO)
+            da = p * (_reduce_to(dO * geom.window(vp, di, dj), ck) - Dt)
+            geom.window(dkp, di, dj).add_(da)
+            dw[:, n] = da.sum(dim=(0, 1, 2, 4))
+        dk, dv = geom.interior(dkp), geom.interior(dvp)
+        dq_t, dk_t, dv_t, dw_t = ctx.in_dtypes
+        return dq.to(dq_t), dk.to(dk_t), dv.to(dv_t), dw.to(dw_t), None, None
+
+
+# --------------------------------------------------------------------------- validation
+def _check_inputs(where: str, q, k, v, w, padding_mask, *, grid: bool):
+    lead = "(B, H, W, h, c)" if grid else "(B, T, h, c)"
+    nd = 5 if grid else 4
+    check_tensor(where, "q", q, ndim=nd, floating=True)
+    check_tensor(where, "k", k, ndim=nd, floating=True)
+    check_tensor(where, "v", v, ndim=nd, floating=True)
+    check_tensor(where, "w", w, ndim=3 if grid else 2, floating=True)
+    if v.shape != q.shape:
+        raise ValueError(f"{where}: 'v' must have the shape {lead} = {tuple(q.shape)} of 'q', got {tuple(v.shape)}")
+    h, c = q.shape[-2:]
+    if k.shape[:-1] != q.shape[:-1] or k.shape[-1] not in (1, c):
+        raise ValueError(
+            f"{where}: 'k' must have shape {tuple(q.shape[:-1]) + (1,)} or {tuple(q.shape)} "
+            f"(one key channel per head, or one per channel) given 'q' {tuple(q.shape)}, "
+            f"got {tuple(k.shape)}"
+        )
+    if w.shape[0] != h:
+        raise ValueError(
+            f"{where}: 'w' must have one kernel per head, shape ({h}, ...) for 'q' {tuple(q.shape)}, "
+            f"got {tuple(w.shape)}"
+        )
+    s = w.shape[-1]
+    if s < 1:
+        raise ValueError(f"{where}: kernel 'w' must have size s >= 1, got shape {tuple(w.shape)}")
+    if grid and w.shape[1] != w.shape[2]:
+        raise ValueError(f"{where}: 'w' must be square (h, s, s), got {tuple(w.shape)}")
+    check_compatible(where, {"q": q, "k": k, "v": v, "w": w})
+    if padding_mask is not None:
+        check_tensor(where, "padding_mask", padding_mask, shape=tuple(q.shape[: nd - 2]))
+        if padding_mask.dtype != torch.bool:
+            raise TypeError(
+                f"{where}: 'padding_mask' must be a bool tensor (True = real token), got {padding_mask.dtype}"
+            )
+        if padding_mask.device != q.device:
+            raise ValueError(
+                f"{where}: 'padding_mask' is on {padding_mask.device} but 'q' is on {q.device}"
+            )
+    return s
+
+
+# --------------------------------------------------------------------------- public ops
+def aft_conv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    w: torch.Tensor,
+    *,
+    causal: bool = False,
+    padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    r"""AFT-conv over a sequence: a per-head conv kernel as AFT position bias.
+
+    .. math::
+
+        Y^i_t = \sigma(Q^i_t) \odot
+          \frac{\sum_{t'} e^{K^i_{t'} + w^i_{t,t'}} V^i_{t'}}{\sum_{t'} e^{K^i_{t'} + w^i_{t,t'}}},
+        \qquad w^i_{t,t'} = \begin{cases} w^i_j & t' = t + j - \ell \\ 0 & \text{otherwise}\end{cases}
+
+    with ``l = s // 2`` (non-causal, odd ``s``) or ``l = s - 1`` (causal, sums over ``t' <= t``);
+    this equals the paper's ``[conv(e^K V, e^w - 1) + sum e^K V] / [conv(e^K, e^w - 1) + sum e^K]``
+    with ``F.conv1d`` (cross-correlation) alignment.
+
+    Args:
+        q: queries ``(B, T, h, c)``.
+        k: keys ``(B, T, h, 1)`` (one per head, broadcast over its ``c`` channels) or ``(B, T, h, c)``.
+        v: values ``(B, T, h, c)``.
+        w: kernels ``(h, s)``; ``s`` odd unless ``causal``.
+        causal: restrict every sum to ``t' <= t``.
+        padding_mask: bool ``(B, T)``, True for real tokens; padded keys contribute nothing and a
+            query with no valid key gets 0.
+
+    Returns:
+        ``Y``: ``(B, T, h, c)`` in ``q``'s dtype (computed in float32 for fp16/bf16).
+
+    Raises:
+        ValueError: wrong ranks/shapes, an even kernel for non-causal, a device mismatch.
+        TypeError: non-float or mismatched dtypes, a non-bool mask.
+
+    Example:
+        >>> q = v = torch.randn(2, 10, 4, 8); k = torch.randn(2, 10, 4, 1)
+        >>> aft_conv(q, k, v, torch.randn(4, 5)).shape
+        torch.Size([2, 10, 4, 8])
+    """
+    where = "aft_conv"
+    s = _check_inputs(where, q, k, v, w, padding_mask, grid=False)
+    if not causal and s % 2 == 0:
+        raise ValueError(
+            f"{where}: a non-causal kernel must have odd size s (centred), got 'w' of shape {tuple(w.shape)}"
+        )
+    B, T = q.shape[:2]
+    geom = _Geometry.make(1, T, s, causal=bool(causal), two_d=False)
+    mask = None if padding_mask is None else padding_mask[:, None]
+    y = _AFTConvFunction.apply(q[:, None], k[:, None], v[:, None], w, mask, geom)
+    return y[:, 0]
+
+
+def aft_conv2d(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    w: torch.Tensor,
+    *,
+    padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    r"""AFT-conv over an image grid with a centred ``s x s`` kernel per head (non-causal).
+
+    .. math::
+
+        Y^i_{x} = \sigma(Q^i_x) \odot
+          \frac{\sum_{x'} e^{K^i_{x'} + w^i_{x,x'}} V^i_{x'}}{\sum_{x'} e^{K^i_{x'} + w^i_{x,x'}}},
+        \qquad w^i_{(r,c),(r',c')} = w^i[r' - r + s/\!/2,\ c' - c + s/\!/2] \text{ in the box, else } 0
+
+    i.e. the global sum over all ``H W`` positions plus the 2-D conv correction with
+    ``e^{w^i} - 1`` (the paper's ImageNet form), computed exactly (see the module docstring).
+
+    Args:
+        q: queries ``(B, H, W, h, c)``.
+        k: keys ``(B, H, W, h, 1)`` or ``(B, H, W, h, c)``.
+        v: values ``(B, H, W, h, c)``.
+        w: kernels ``(h, s, s)``, odd ``s``; ``w[:, a, b]`` acts on ``(r + a - s//2, c + b - s//2)``.
+        padding_mask: bool ``(B, H, W)``, True for real positions.
+
+    Returns:
+        ``Y``: ``(B, H, W, h, c)`` in ``q``'s dtype.
+
+    Example:
+        >>> q = v = torch.randn(2, 8, 8, 4, 8); k = torch.randn(2, 8, 8, 4, 1)
+        >>> aft_conv2d(q, k, v, torch.randn(4, 3, 3)).shape
+        torch.Size([2, 8, 8, 4, 8])
+    """
+    where = "aft_conv2d"
+    s = _check_inputs(where, q, k, v, w, padding_mask, grid=True)
+    if s % 2 == 0:
+        raise ValueError(f"{where}: the kernel must have odd size s (centred), got 'w' of shape {tuple(w.shape)}")
+    H, W = q.shape[1:3]
+    geom = _Geometry.make(H, W, s, causal=False, two_d=True)
+    return _AFTConvFunction.apply(q, k, v, w.reshape(w.shape[0], s * s), padding_mask, geom)
+
+
+# --------------------------------------------------------------------------- references
+def _biased_average_reference(q, k, v, bias, allowed):
+    """Float64 ``sigma(q_t) * sum_t' softmax_t'(k_t' + bias[t, t']) v_t'`` over ``allowed[b, t, t']``.
+
+    ``q, v: (B, N, h, c)``, ``k: (B, N, h, ck)``, ``bias: (h, N, N)``, ``allowed: (B, N, N)`` bool.
+    A query with no allowed key gets 0.
+    """
+    q, k, v, bias = (x.double() for x in (q, k, v, bias))
+    rows = []
+    for t in range(q.shape[1]):
+        ok = allowed[:, t][:, :, None, None]  # (B, N, 1, 1)
+        logits = (k + bias[:, t].T[None, :, :, None]).masked_fill(~ok, _NEG_INF)
+        has = ok.any(1, keepdim=True)
+        p = torch.softmax(torch.where(has, logits, torch.zeros_like(logits)), dim=1) * has
+        rows.append(torch.sigmoid(q[:, t]) * (p * v).sum(1))
+    return torch.stack(rows, 1)
+
+
+def aft_conv_reference(q, k, v, w, *, causal: bool = False, padding_mask=None) -> torch.Tensor:
+    """Float64 per-position loop straight from the formula of :func:`aft_conv` (slow; for tests).
+
+    Builds each query's Toeplitz bias row ``w_{t,t'} = w[:, t' - t + l]`` inside the kernel and
+    0 outside, then ``sigma(q_t) * sum_{t'} softmax_{t'}(k_{t'} + w_{t,t'}) v_{t'}``.
+    """
+    B, T = q.shape[:2]
+    h, s = w.shape
+    lo = s - 1 if causal else s // 2
+    idx = torch.arange(T)
+    j = idx[None, :] - idx[:, None] + lo  # (t, t') kernel index
+    inside = (j >= 0) & (j < s)
+    bias = torch.where(inside[None], w.double()[:, j.clamp(0, s - 1)], torch.zeros((), dtype=torch.float64))
+    allowed = torch.ones(B, T, T, dtype=torch.bool)
+    if causal:
+        allowed &= idx[None, :, None] >= idx[None, None, :]
+    if padding_mask is not None:
+        allowed &= padding_mask.cpu()[:, None, :]
+    return _biased_average_reference(q.cpu(), k.cpu(), v.cpu(), bias, allowed)
+
+
+def aft_conv2d_reference(q, k, v, w, *, padding_mask=None) -> torch.Tensor:
+    """Float64 per-position loop straight from the formula of :func:`aft_conv2d` (slow; for tests)."""
+    B, H, W, h, c = q.shape
+    s = w.shape[-1]
+    P = s // 2
+    r, col = torch.meshgrid(torch.arange(H), torch.arange(W), indexing="ij")
+    r, col = r.flatten(), col.flatten()
+    a = r[None, :] - r[:, None] + P  # (x, x') kernel row
+    b = col[None, :] - col[:, None] + P
+    inside = (a >= 0) & (a < s) & (b >= 0) & (b < s)
+    bias = torch.where(
+        inside[None], w.double()[:, a.clamp(0, s - 1), b.clamp(0, s - 1)], torch.zeros((), dtype=torch.float64)
+    )
+    allowed = torch.ones(B, H * W, H * W, dtype=torch.bool)
+    if padding_mask is not None:
+        allowed &= padding_mask.cpu().reshape(B, 1, H * W)
+    flat = [x.cpu().reshape(B, H * W, *x.shape[3:]) for x in (q, k, v)]
+    return _biased_average_reference(*flat, bias, allowed).reshape(B, H, W, h, c)

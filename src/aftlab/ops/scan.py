@@ -12,15 +12,40 @@ With ``reverse=True`` the sums run over ``t' >= t`` with ``(t' - t) * lambda``.
 Keys where ``padding_mask`` is False contribute nothing; where no key contributes,
 ``L_t = -inf`` and ``A_t = 0``.
 
-TODO(scan helper): replace the sequential loop with a fast chunked scan; keep this loop as
-:func:`stable_prefix_average_reference`.
+How it is computed (:func:`stable_prefix_average`, see docs/aft-scan.md): the recurrence
+
+    L_t = logaddexp(L_{t-1} - lambda, k_t),   r_t = exp(k_t - L_t) in [0, 1]
+    A_t = A_{t-1} + r_t (v_t - A_{t-1}) = lerp(A_{t-1}, v_t, r_t)
+
+(the carried weight ``exp(L_{t-1} - lambda - L_t) = 1 - r_t``), run chunk-wise: positions are
+split into chunks of ``C``; inside every chunk the recurrence runs from an empty state, one
+position at a time but vectorised across all chunks; the chunk summaries
+``(L_end, A_end)`` form the same problem again with decay ``C * lambda`` (solved recursively);
+each chunk then merges its carry ``(L_c, A_c)`` (the previous chunk's end) with
+
+    L_t = logaddexp(L_c - (j + 1) lambda, l_t),   A_t = lerp(a_t, A_c, exp(L_c - (j + 1) lambda - L_t))
+
+for the position ``j`` inside the chunk and the chunk-local ``(l_t, a_t)``. Only exponents of
+non-positive numbers are taken, no maximum over positions an output must not see is used, and
+``lambda`` only appears multiplied by offsets inside a chunk (never ``t * lambda``).
+
+The backward pass (a custom :class:`torch.autograd.Function`) is one reverse gated scan of the
+same shape, ``P_t = z_t + (1 - r_{t+1}) P_{t+1}``, on two signals at once (see
+:class:`_PrefixAverage`). Time ``O(B T d)``, memory ``O(B T d)``; float16/bfloat16 inputs are
+computed in float32 and returned in their own dtype.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from .._checks import check_compatible, check_tensor
+
 __all__ = ["stable_prefix_average", "stable_prefix_average_reference"]
+
+_LOW = (torch.float16, torch.bfloat16)
 
 
 def stable_prefix_average_reference(
@@ -51,7 +76,10 @@ def stable_prefix_average_reference(
         if padding_mask is not None:
             kt = torch.where(padding_mask[:, t, None], kt, neg_inf)
         carried = l_prev - lam
-        l_t = torch.logaddexp(carried, kt)
+        empty = torch.isinf(carried) & torch.isinf(kt)  # no key yet: keep -inf, NaN-free grads
+        l_t = torch.where(
+            empty, neg_inf, torch.logaddexp(carried.masked_fill(empty, 0), kt.masked_fill(empty, 0))
+        )
         safe = torch.where(torch.isfinite(l_t), l_t, torch.zeros_like(l_t))
         a_t = torch.exp(carried - safe).nan_to_num(0.0) * a_prev + torch.exp(kt - safe).nan_to_num(0.0) * v[:, t]
         Ls.append(l_t)
@@ -60,4 +88,225 @@ def stable_prefix_average_reference(
     return torch.stack(Ls, 1), torch.stack(As, 1)
 
 
-stable_prefix_average = stable_prefix_average_reference
+# ---------------------------------------------------------------------------- chunk size
+def _chunk_size(T: int) -> int:
+    """Chunk length ``C``: about ``sqrt(T)`` (a power of two in [8, 64]).
+
+    Each chunk step is a handful of vectorised ops on ``(B, T / C, d)``; the chunk summaries
+    recurse. ``C = 64`` measured best at ``T >= 4096`` (docs/aft-scan.md).
+    """
+    if T <= 8:
+        return max(T, 1)
+    return int(min(64, max(8, 2 ** math.ceil(math.log2(math.sqrt(T))))))
+
+
+def _neg(dtype: torch.dtype) -> float:
+    """The finite "empty" log-sum used internally instead of -inf (no inf - inf = NaN)."""
+    return -0.25 * torch.finfo(dtype).max
+
+
+# ---------------------------------------------------------------------------- forward
+def _scan_forward(
+    k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked forward of the recurrence. k, v ``(B, T, d)`` in the compute dtype, lam ``(d,)``.
+
+    Returns ``(L, A)``, ``(B, T, d)``. ``L`` holds a large negative finite number (about
+    ``-finfo.max / 4``) instead of ``-inf`` where no key has been seen; ``A`` is 0 there.
+    """
+    B, T, d = k.shape
+    C = _chunk_size(T)
+    nC = -(-T // C)
+    Tp = nC * C
+    neg = _neg(k.dtype)
+    if Tp != T:
+        k = torch.nn.functional.pad(k, (0, 0, 0, Tp - T), value=float("-inf"))
+        v = torch.nn.functional.pad(v, (0, 0, 0, Tp - T))
+    kc, vc = k.view(B, nC, C, d), v.view(B, nC, C, d)
+    l = torch.empty(B, nC, C, d, dtype=k.dtype, device=k.device)
+    a = torch.empty_like(l)
+    r = torch.empty(B, nC, d, dtype=k.dtype, device=k.device)
+    # Chunk-local recurrence, vectorised over chunks: l_j = logaddexp(l_{j-1} - lambda, k_j),
+    # r_j = exp(k_j - l_j), a_j = lerp(a_{j-1}, v_j, r_j), from l_{-1} = "-inf", a_{-1} = 0.
+    l_prev = torch.full((B, nC, d), neg, dtype=k.dtype, device=k.device)
+    a_prev = torch.zeros(B, nC, d, dtype=k.dtype, device=k.device)
+    for j in range(C):
+        carried = l_prev if lam is None or j == 0 else l_prev - lam
+        lj = l[:, :, j]
+        torch.logaddexp(carried, kc[:, :, j], out=lj)
+        torch.sub(kc[:, :, j], lj, out=r).exp_()
+        torch.lerp(a_prev, vc[:, :, j], r, out=a[:, :, j])
+        l_prev, a_prev = lj, a[:, :, j]
+    if nC > 1:
+        # Chunk summaries are the same problem with decay C * lambda; their exclusive prefix
+        # (L_c, A_c) is the carry each chunk starts from.
+        lam_c = None if lam is None else lam * C
+        Le, Ae = _scan_forward(l[:, :, C - 1].contiguous(), a[:, :, C - 1].contiguous(), lam_c)
+        Lc = torch.cat([Le.new_full((B, 1, d), neg), Le[:, :-1]], 1)[:, :, None]
+        Ac = torch.cat([Ae.new_zeros(B, 1, d), Ae[:, :-1]], 1)[:, :, None]
+        if lam is None:
+            X = Lc.expand(B, nC, C, d)
+        else:
+            offs = torch.arange(1, C + 1, dtype=k.dtype, device=k.device)[:, None] * lam
+            X = Lc - offs  # L_c - (j + 1) lambda, (B, nC, C, d)
+        L = torch.logaddexp(X, l)
+        w = torch.sub(X, L, out=l).exp_()  # weight of the carry
+        A = torch.lerp(a, Ac.expand_as(a), w, out=a)
+        del w
+    else:
+        L, A = l, a
+    L, A = L.view(B, Tp, d), A.view(B, Tp, d)
+    if Tp != T:
+        L, A = L[:, :T], A[:, :T]
+    return L, A
+
+
+# ---------------------------------------------------------------------------- backward
+def _scan_reverse_linear(gn: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """Reverse gated linear scan ``P_t = z_t + gn_t * P_{t+1}`` (``P_T = 0``), chunked.
+
+    Args:
+        gn: gates in ``[0, 1]``, ``(B, T, d)``; ``gn_t`` multiplies the next position's state.
+        z: inputs ``(S, B, T, d)`` (``S`` signals sharing the gates).
+
+    Returns:
+        ``P``, ``(S, B, T, d)`` (a new tensor).
+    """
+    S, B, T, d = z.shape
+    C = _chunk_size(T)
+    nC = -(-T // C)
+    Tp = nC * C
+    # Buffer: the S signals plus one channel that accumulates the gate products
+    # H_j = prod_{m=j}^{C-1} gn_m (started by placing gn_{C-1} at the chunk end).
+    p = torch.zeros(S + 1, B, Tp, d, dtype=z.dtype, device=z.device)
+    p[:S, :, :T] = z
+    g = gn if Tp == T else torch.nn.functional.pad(gn, (0, 0, 0, Tp - T))
+    pc, gc = p.view(S + 1, B, nC, C, d), g.view(B, nC, C, d)
+    pc[S, :, :, C - 1] = gc[:, :, C - 1]
+    for j in range(C - 2, -1, -1):
+        pc[:, :, :, j].addcmul_(gc[:, :, j], pc[:, :, :, j + 1])
+    if nC > 1:
+        H0 = pc[S, :, :, 0]  # product of all gates of a chunk, (B, nC, d)
+        Pstart = _scan_reverse_linear(H0.contiguous(), pc[:S, :, :, 0].contiguous())
+        Pnext = torch.cat([Pstart[:, :, 1:], Pstart.new_zeros(S, B, 1, d)], 2)
+        pc[:S].addcmul_(pc[S:], Pnext[:, :, :, None])
+    out = p[:S].view(S, B, Tp, d)
+    return out if Tp == T else out[:, :, :T]
+
+
+class _PrefixAverage(torch.autograd.Function):
+    """``(k, v, lambda) -> (L, A)`` with a reverse-scan backward.
+
+    With ``r_t = exp(k_t - L_t)``, ``g_t = 1 - r_t = exp(L_{t-1} - lambda - L_t)`` and the
+    upstream gradients ``dL``, ``dA``, let ``e_t = dL_t - dA_t A_t`` and run backwards
+
+        P^A_t = dA_t + g_{t+1} P^A_{t+1},   P^e_t = e_t + g_{t+1} P^e_{t+1}
+
+    (``P^A_t = exp(L_t) * d loss / d N_t`` for the unnormalised numerator
+    ``N_t = exp(L_t) A_t``, likewise ``P^e`` for the denominator). Then
+
+        dv_t = r_t P^A_t,   dk_t = r_t (P^e_t + v_t P^A_t),
+        dlambda = -sum_{b,t} g_t (P^e_t + P^A_t A_{t-1}).
+    """
+
+    @staticmethod
+    def forward(ctx, k, v, lam):  # noqa: D102
+        L, A = _scan_forward(k, v, lam)
+        ctx.save_for_backward(k, v, lam if lam is not None else None, L, A)
+        ctx.has_lam = lam is not None
+        return L, A
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dL, dA):  # noqa: D102
+        k, v, lam, L, A = ctx.saved_tensors
+        B, T, d = k.shape
+        r = torch.sub(k, L).exp_()
+        gn = torch.empty_like(r)
+        torch.sub(1.0, r[:, 1:], out=gn[:, :-1])  # gn_t = g_{t+1} = 1 - r_{t+1}
+        gn[:, -1] = 0
+        z = torch.empty(2, B, T, d, dtype=k.dtype, device=k.device)
+        z[0] = dA
+        torch.addcmul(dL, dA, A, value=-1.0, out=z[1])  # e = dL - dA * A
+        P = _scan_reverse_linear(gn, z)
+        del z, gn
+        PA, Pe = P[0], P[1]
+        dv = r * PA if ctx.needs_input_grad[1] else None
+        dk = None
+        if ctx.needs_input_grad[0]:
+            dk = torch.addcmul(Pe, v, PA).mul_(r)
+        dlam = None
+        if ctx.has_lam and ctx.needs_input_grad[2]:
+            # sum_t g_t (P^e_t + P^A_t A_{t-1}), g_t = 1 - r_t
+            acc = Pe.clone()
+            acc[:, 1:].addcmul_(PA[:, 1:], A[:, :-1])
+            dlam = -(acc.mul_(1.0 - r)).sum((0, 1))
+        return dk, dv, dlam
+
+
+def stable_prefix_average(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    decay: torch.Tensor | None = None,
+    reverse: bool = False,
+    padding_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stable, exact prefix log-sum-exp ``L`` and prefix average ``A`` (see the module docstring).
+
+    L_t = log sum_{t' <= t} exp(k_t' - (t - t') lambda)
+    A_t = sum_{t' <= t} exp(k_t' - (t - t') lambda - L_t) v_t'
+
+    Args:
+        k: keys ``(B, T, d)``, floating point, finite (magnitudes far beyond ``exp``'s range are
+            fine; keys below about ``-finfo.max / 8`` are not supported).
+        v: values ``(B, T, d)``, same dtype and device as ``k``.
+        decay: per-channel ``lambda >= 0``, ``(d,)``; ``None`` for no decay. Differentiable.
+        reverse: sum over ``t' >= t`` (with ``(t' - t) lambda``) instead.
+        padding_mask: bool ``(B, T)``, True for real tokens; False keys contribute nothing.
+
+    Returns:
+        ``(L, A)``, both ``(B, T, d)`` in the input dtype (float16/bfloat16 are computed in
+        float32). Where no key contributes, ``L = -inf`` and ``A = 0``.
+
+    Raises:
+        ValueError / TypeError: wrong ranks, shapes, dtypes or devices (naming the argument).
+    """
+    where = "stable_prefix_average"
+    check_tensor(where, "k", k, ndim=3, floating=True)
+    check_tensor(where, "v", v, shape=tuple(k.shape), floating=True)
+    check_compatible(where, {"k": k, "v": v})
+    if decay is not None:
+        check_tensor(where, "decay", decay, shape=(k.shape[2],), floating=True)
+        if decay.device != k.device:
+            raise ValueError(f"{where}: 'decay' is on {decay.device} but 'k' is on {k.device}")
+    if padding_mask is not None:
+        check_tensor(where, "padding_mask", padding_mask, shape=tuple(k.shape[:2]))
+        if padding_mask.dtype != torch.bool:
+            raise TypeError(f"{where}: 'padding_mask' must be a bool tensor, got {padding_mask.dtype}")
+        if padding_mask.device != k.device:
+            raise ValueError(
+                f"{where}: 'padding_mask' is on {padding_mask.device} but 'k' is on {k.device}"
+            )
+    out_dtype = k.dtype
+    cdt = torch.float32 if out_dtype in _LOW else out_dtype
+    B, T, d = k.shape
+    if T == 0:
+        return k.new_empty(B, 0, d), v.new_empty(B, 0, d)
+    kk, vv = k.to(cdt), v.to(cdt)
+    lam = None if decay is None else decay.to(cdt)
+    mask = padding_mask
+    if reverse:
+        kk, vv = kk.flip(1), vv.flip(1)
+        mask = None if mask is None else mask.flip(1)
+    if mask is not None:
+        keep = mask[:, :, None]
+        kk = kk.masked_fill(~keep, float("-inf"))
+        vv = vv.masked_fill(~keep, 0.0)
+    L, A = _PrefixAverage.apply(kk.contiguous(), vv.contiguous(), lam)
+    if mask is not None:
+        seen = (mask.cumsum(1) > 0)[:, :, None]
+        L = L.masked_fill(~seen, float("-inf"))
+    if reverse:
+        L, A = L.flip(1), A.flip(1)
+    return L.to(out_dtype), A.to(out_dtype)

@@ -1,0 +1,479 @@
+"""The benchmark run: plan the cases, gate them, measure them, and write the report.
+
+Example:
+    >>> from aftlab.bench import BenchConfig, run_bench
+    >>> result = run_bench(BenchConfig(mixers=["attention-sdpa"], lengths=[16, 32], batch=1,
+    ...                                dim=16, repeats=1, out="bench-out"))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .cases import CASES, MATMUL_CASE, MODES, OpCase, Shape
+from .gate import GateResult, check_case
+from .machine import machine_info, measure_limits
+from .measure import COMPARE_BUILDERS, CaseSpec, run_case, run_isolated
+
+__all__ = ["BenchConfig", "run_bench", "DTYPES"]
+
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+
+
+def _mem_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * 2**30
+
+
+@dataclass
+class BenchConfig:
+    """Options of one benchmark run (the CLI flags of ``aftlab bench``).
+
+    Attributes:
+        mixers: case names from :data:`aftlab.bench.cases.CASES`.
+        lengths: sequence lengths ``T`` for ``forward`` and ``train``.
+        decode_positions: positions of the decoding step; default: ``lengths``.
+        batch: ``B``. dim: ``d``. heads: ``h`` (attention heads, aft-conv heads).
+        modes: subset of ``("forward", "train", "decode")``.
+        causal: run every mixer causal (else non-causal; aft-decay is causal only).
+        also_noncausal: mixers also run non-causal when ``causal`` is set (e.g. ``["aft-full"]``).
+        device, dtype, threads: where and how (``threads``: ``torch.set_num_threads``).
+        repeats: timed calls per case (median reported); warmup: untimed calls before.
+        max_seconds_per_case: time budget of a case; cases whose floor already exceeds it are
+            skipped, fewer repeats are timed when calls are slow, and a case running past 3x the
+            budget (plus a minute of set-up) is killed and reported as skipped.
+        max_memory_gb: skip cases whose estimated peak exceeds this; default 60% of the
+            available memory (CPU) or of the free GPU memory.
+        isolate: run each CPU case in a fresh process (default on CPU).
+        compare_aft_pytorch: add the module-level comparison with the ``aft-pytorch`` package.
+        limits_size: ``"full"`` or ``"tiny"`` (tests) for the machine-limit measurements.
+        seed: seed of the random inputs.
+        out: output directory, or None to write nothing.
+    """
+
+    mixers: list[str] = field(default_factory=lambda: list(CASES))
+    lengths: list[int] = field(default_factory=lambda: [256, 1024, 4096, 16384])
+    decode_positions: list[int] | None = None
+    batch: int = 4
+    dim: int = 256
+    heads: int = 4
+    modes: list[str] = field(default_factory=lambda: list(MODES))
+    causal: bool = False
+    also_noncausal: list[str] = field(default_factory=list)
+    device: str = "cpu"
+    dtype: str = "float32"
+    threads: int | None = None
+    repeats: int = 5
+    warmup: int = 1
+    max_seconds_per_case: float = 60.0
+    max_memory_gb: float | None = None
+    isolate: bool | None = None
+    compare_aft_pytorch: bool = False
+    limits_size: str = "full"
+    seed: int = 0
+    out: str | os.PathLike | None = None
+
+    def validate(self, cases: dict[str, OpCase] | None = None) -> None:
+        """Raise ``ValueError`` (one line, naming the option) on bad options."""
+        known = CASES if cases is None else cases
+        bad = [m for m in self.mixers if m not in known]
+        if bad or not self.mixers:
+            raise ValueError(f"bench: --mixers must name some of {list(known)}, got {self.mixers}")
+        for name in self.also_noncausal:
+            if name not in self.mixers:
+                raise ValueError(
+                    f"bench: --also-noncausal {name!r} is not among --mixers {self.mixers}"
+                )
+        for opt, vals in (
+            ("lengths", self.lengths),
+            ("decode-positions", self.decode_positions or [1]),
+        ):
+            if not vals or any(
+                isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in vals
+            ):
+                raise ValueError(f"bench: --{opt} must be positive integers, got {vals}")
+        bad_modes = [m for m in self.modes if m not in MODES]
+        if bad_modes or not self.modes:
+            raise ValueError(f"bench: --modes must be some of {list(MODES)}, got {self.modes}")
+        for opt in ("batch", "dim", "heads", "repeats"):
+            v = getattr(self, opt)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"bench: --{opt} must be a positive integer, got {v!r}")
+        if self.warmup < 1:
+            raise ValueError(f"bench: --warmup must be >= 1, got {self.warmup}")
+        if self.dim % self.heads:
+            raise ValueError(f"bench: --dim {self.dim} must be divisible by --heads {self.heads}")
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            raise ValueError(f"bench: --threads must be a positive integer, got {self.threads!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"bench: --dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"bench: --device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("bench: --device cuda was asked for but torch sees no CUDA device")
+        if not (self.max_seconds_per_case > 0 and math.isfinite(self.max_seconds_per_case)):
+            raise ValueError(
+                f"bench: --max-seconds-per-case must be > 0, got {self.max_seconds_per_case}"
+            )
+        if self.max_memory_gb is not None and not self.max_memory_gb > 0:
+            raise ValueError(f"bench: --max-memory-gb must be > 0, got {self.max_memory_gb}")
+        if self.limits_size not in ("full", "tiny"):
+            raise ValueError(
+                f"bench: limits_size must be 'full' or 'tiny', got {self.limits_size!r}"
+            )
+        if self.out is not None and Path(self.out).exists() and not Path(self.out).is_dir():
+            raise ValueError(f"bench: --out {str(self.out)!r} exists and is not a directory")
+
+
+def _max_memory_bytes(cfg: BenchConfig, device: torch.device) -> float:
+    if cfg.max_memory_gb is not None:
+        return cfg.max_memory_gb * 2**30
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return 0.6 * free
+    return 0.6 * _mem_available()
+
+
+def _variants(cfg: BenchConfig) -> list[tuple[str, bool]]:
+    out = []
+    for name in cfg.mixers:
+        out.append((name, cfg.causal))
+        if cfg.causal and name in cfg.also_noncausal:
+            out.append((name, False))
+    if "aft-full" in cfg.mixers and any(m in cfg.modes for m in ("forward", "train")):
+        out.append((MATMUL_CASE.name, False))
+    return out
+
+
+def _floors(case: OpCase, mode: str, s: Shape, causal: bool, limits: dict) -> dict:
+    flops, nbytes = case.flops(mode, s, causal), case.bytes(mode, s, causal)
+    f_bw = nbytes / limits["bandwidth_bytes_per_s"]
+    f_fl = flops / limits["gemm_flops_per_s"]
+    return {
+        "flops": flops,
+        "bytes": nbytes,
+        "floor_bandwidth_s": f_bw,
+        "floor_flops_s": f_fl,
+        "floor_s": max(f_bw, f_fl),
+        "floor_bound": "memory" if f_bw >= f_fl else "compute",
+    }
+
+
+def _row(**kw) -> dict:
+    base = dict.fromkeys(
+        (
+            "mixer",
+            "causal",
+            "mode",
+            "T",
+            "B",
+            "d",
+            "heads",
+            "dtype",
+            "device",
+            "threads",
+            "status",
+            "note",
+            "gate",
+            "gate_max_error",
+            "time_median_s",
+            "time_min_s",
+            "repeats",
+            "peak_bytes",
+            "est_peak_bytes",
+            "mem_method",
+            "state_bytes",
+            "flops",
+            "bytes",
+            "floor_bandwidth_s",
+            "floor_flops_s",
+            "floor_s",
+            "floor_bound",
+            "ratio_to_floor",
+        )
+    )
+    base.update(kw)
+    return base
+
+
+def run_bench(
+    cfg: BenchConfig,
+    *,
+    cases: dict[str, OpCase] | None = None,
+    argv: list[str] | None = None,
+    log: Callable[[str], None] | None = print,
+) -> dict:
+    """Run the benchmark described by ``cfg``; write the report into ``cfg.out`` if set.
+
+    Args:
+        cfg: the options.
+        cases: the case table (default :data:`aftlab.bench.cases.CASES`). This is the hook for
+            adding or replacing a case (e.g. a deliberately wrong op, which the correctness gate
+            must refuse). A case not in the built-in table runs in this process, not isolated.
+        argv: the command line recorded in the report (default ``sys.argv``).
+        log: called with one line per case as the run progresses (None: silent).
+
+    Returns:
+        ``{"machine": ..., "limits": ..., "config": ..., "results": [rows], "compare": [rows],
+        "targets": [...]}``; each row has ``status`` ``"ok"``, ``"failed"`` (gate),
+        ``"skipped"`` or ``"error"`` with a ``note``.
+    """
+    table = dict(CASES if cases is None else cases)
+    table.setdefault(MATMUL_CASE.name, MATMUL_CASE)
+    cfg.validate(table)
+    say = log or (lambda _msg: None)
+    device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    threads = torch.get_num_threads()
+    isolate = cfg.isolate if cfg.isolate is not None else device.type == "cpu"
+    esize = torch.empty((), dtype=dtype).element_size()
+    mem_limit = _max_memory_bytes(cfg, device)
+    t0 = time.perf_counter()
+
+    say(f"measuring machine limits on {device} ({cfg.dtype}, {threads} threads)...")
+    limits = measure_limits(device, dtype, size=cfg.limits_size)
+    say(
+        f"  GEMM {limits['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s, "
+        f"bandwidth {limits['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s"
+    )
+
+    rows: list[dict] = []
+    gates: dict[tuple, GateResult] = {}
+    for name, causal in _variants(cfg):
+        case = table[name]
+        for mode in cfg.modes:
+            if mode == "decode" and name == MATMUL_CASE.name:
+                continue
+            lengths = (cfg.decode_positions or cfg.lengths) if mode == "decode" else cfg.lengths
+            given_up = ""
+            for T in sorted(lengths):
+                s = Shape(cfg.batch, T, cfg.dim, cfg.heads, esize)
+                row = _row(
+                    mixer=name,
+                    causal=causal if mode != "decode" else True,
+                    mode=mode,
+                    T=T,
+                    B=cfg.batch,
+                    d=cfg.dim,
+                    heads=cfg.heads,
+                    dtype=cfg.dtype,
+                    device=cfg.device,
+                    threads=threads,
+                )
+                rows.append(row)
+                row.update(_floors(case, mode, s, row["causal"], limits))
+                row["est_peak_bytes"] = case.mem_estimate(mode, s, row["causal"])
+                if case.causal_only and not row["causal"]:
+                    row.update(status="skipped", note=f"{name} is causal only (use --causal)")
+                elif mode == "decode" and case.mixer is None:
+                    row.update(status="skipped", note=f"{name} has no decoding module")
+                elif given_up:
+                    row.update(status="skipped", note=given_up)
+                elif row["est_peak_bytes"] > mem_limit:
+                    row.update(
+                        status="skipped",
+                        note=(
+                            f"estimated peak {row['est_peak_bytes'] / 2**30:.2f} GiB exceeds the "
+                            f"memory limit {mem_limit / 2**30:.2f} GiB"
+                        ),
+                    )
+                elif 3 * row["floor_s"] > cfg.max_seconds_per_case:
+                    row.update(
+                        status="skipped",
+                        note=(
+                            f"3 calls at the floor ({row['floor_s']:.2f} s each) exceed the "
+                            f"{cfg.max_seconds_per_case:g} s budget"
+                        ),
+                    )
+                if row["status"] is None:
+                    key = (name, mode, row["causal"], min(T, 71))
+                    if key not in gates:
+                        gates[key] = check_case(case, mode, row["causal"], s, dtype, device)
+                    g = gates[key]
+                    row["gate"], row["gate_max_error"] = g.status, g.max_error
+                    if g.status == "failed":
+                        row.update(status="failed", note=g.note)
+                    elif g.status == "unavailable":
+                        row.update(status="skipped", note=g.note)
+                if row["status"] is None:
+                    _measure(row, case, cfg, s, mode, threads, isolate)
+                    if row["status"] == "skipped" and _over_time(row["note"]):
+                        given_up = f"skipped: T={T} already exceeded the time budget"
+                elif row["status"] == "skipped" and _over_time(row["note"]):
+                    given_up = row["note"]
+                say(_progress(row))
+
+    compare = (
+        _run_compare(cfg, threads, isolate, esize, limits, say) if cfg.compare_aft_pytorch else []
+    )
+    from .report import evaluate_targets, write_report
+
+    result = {
+        "machine": machine_info(device, argv),
+        "limits": limits,
+        "config": {
+            k: (str(v) if isinstance(v, os.PathLike) else v)
+            for k, v in dataclasses.asdict(cfg).items()
+        },
+        "results": rows,
+        "compare": compare,
+        "wall_s": time.perf_counter() - t0,
+    }
+    result["machine"]["threads"] = threads
+    result["targets"] = evaluate_targets(result)
+    if cfg.out is not None:
+        for line in write_report(result, Path(cfg.out)):
+            say(line)
+    return result
+
+
+def _spec(name: str, mode: str, causal: bool, s: Shape, cfg: BenchConfig, threads: int) -> CaseSpec:
+    return CaseSpec(
+        name,
+        mode,
+        causal,
+        s,
+        cfg.dtype,
+        cfg.device,
+        threads,
+        cfg.repeats,
+        cfg.warmup,
+        cfg.max_seconds_per_case,
+        cfg.seed,
+    )
+
+
+def _execute(spec: CaseSpec, case: OpCase | None, isolate: bool, budget: float) -> dict:
+    builtin = (
+        spec.name in COMPARE_BUILDERS
+        or spec.name == MATMUL_CASE.name
+        or (spec.name in CASES and CASES[spec.name] is case)
+    )
+    if isolate and builtin:
+        return run_isolated(spec, timeout=3 * budget + 60)
+    return run_case(spec, case)
+
+
+def _measure(
+    row: dict, case: OpCase, cfg: BenchConfig, s: Shape, mode: str, threads: int, isolate: bool
+) -> None:
+    out = _execute(
+        _spec(case.name, mode, row["causal"], s, cfg, threads),
+        case,
+        isolate,
+        cfg.max_seconds_per_case,
+    )
+    row["status"], row["note"] = out["status"], out.get("note", "")
+    if out["status"] != "ok":
+        return
+    times = out["times"]
+    med = statistics.median(times)
+    row.update(
+        time_median_s=med,
+        time_min_s=min(times),
+        repeats=len(times),
+        peak_bytes=out["peak_bytes"],
+        mem_method=out["mem_method"],
+        state_bytes=out.get("state_bytes"),
+        ratio_to_floor=med / row["floor_s"] if row["floor_s"] else None,
+    )
+    if len(times) < cfg.repeats:
+        row["note"] = f"{len(times)} of {cfg.repeats} repeats within the time budget"
+
+
+def _run_compare(cfg, threads, isolate, esize, limits, say) -> list[dict]:
+    try:
+        import aft_pytorch  # noqa: F401
+    except ImportError:
+        say(
+            "aft-pytorch comparison skipped: the package is not installed (pip install aft-pytorch)"
+        )
+        return [{"status": "skipped", "note": "aft-pytorch is not installed"}]
+    rows = []
+    for name in COMPARE_BUILDERS:
+        impl, variant = name.split(":")[1:]
+        given_up = ""
+        for mode in [m for m in cfg.modes if m != "decode"]:
+            for T in sorted(cfg.lengths):
+                s = Shape(cfg.batch, T, cfg.dim, 1, esize)
+                row = {
+                    "impl": impl,
+                    "variant": variant,
+                    "mode": mode,
+                    "T": T,
+                    "B": cfg.batch,
+                    "d": cfg.dim,
+                    "status": None,
+                    "note": "",
+                    "time_median_s": None,
+                    "peak_bytes": None,
+                    "finite": None,
+                    "finite_large_input": None,
+                }
+                rows.append(row)
+                full = "full" in variant.lower()
+                est = (6 if mode == "train" else 3) * T * T * esize * (
+                    1 if full else 0
+                ) + 30 * cfg.batch * T * cfg.dim * esize
+                if given_up:
+                    row.update(status="skipped", note=given_up)
+                elif est > _max_memory_bytes(cfg, torch.device(cfg.device)):
+                    row.update(
+                        status="skipped", note=f"estimated peak {est / 2**30:.2f} GiB too large"
+                    )
+                else:
+                    out = _execute(
+                        _spec(name, mode, False, s, cfg, threads),
+                        None,
+                        isolate,
+                        cfg.max_seconds_per_case,
+                    )
+                    row["status"], row["note"] = out["status"], out.get("note", "")
+                    if out["status"] == "ok":
+                        row.update(
+                            time_median_s=statistics.median(out["times"]),
+                            peak_bytes=out["peak_bytes"],
+                            finite=out["finite"],
+                            finite_large_input=out["finite_large_input"],
+                        )
+                    elif out["status"] == "skipped" and _over_time(row["note"]):
+                        given_up = f"skipped: T={T} already exceeded the time budget"
+                say(f"  compare {impl:11s} {variant:10s} {mode:7s} T={T:<6d} {_fmt_status(row)}")
+    return rows
+
+
+def _over_time(note: str | None) -> bool:
+    return bool(note) and ("budget" in note or "time limit" in note)
+
+
+def _fmt_status(row: dict) -> str:
+    if row["status"] == "ok":
+        mem = row.get("peak_bytes")
+        mem_s = f"{mem / 2**20:9.1f} MiB" if mem is not None else "      n/a"
+        return f"{row['time_median_s'] * 1e3:10.3f} ms {mem_s}"
+    return f"{row['status'].upper()}: {row['note']}"
+
+
+def _progress(row: dict) -> str:
+    tag = "causal" if row["causal"] else "non-causal"
+    extra = ""
+    if row["status"] == "ok" and row.get("ratio_to_floor"):
+        extra = f"  ({row['ratio_to_floor']:.1f}x floor)"
+    head = f"  {row['mixer']:15s} {tag:10s} {row['mode']:7s} T={row['T']:<6d}"
+    return f"{head} {_fmt_status(row)}{extra}"

@@ -1,0 +1,162 @@
+"""The Transformer block around any registered token mixer: norms, feed-forward, residuals."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..mixers import MixerState, SequenceMixer, build_mixer, get_mixer_class
+from .config import TransformerConfig
+
+__all__ = ["FeedForward", "TransformerBlock", "mixer_options"]
+
+_COMMON = ("d_model", "n_heads", "causal", "max_seq_len", "dropout", "bias")
+
+
+def mixer_options(config: TransformerConfig) -> dict[str, Any]:
+    """The mixer's own keyword options for ``config``: ``mixer_options`` plus attention options.
+
+    The config-level attention options reach only mixers whose constructor accepts them by name:
+    ``head_dim`` (``config.head_dim``), ``scaled`` (``config.scaled``) and ``rotary``
+    (``config.positional == "rotary"``). A mixer that does not accept one gets nothing, unless the
+    config asks for something it cannot do: ``positional="rotary"``, ``scaled=False`` or a
+    ``head_dim`` other than ``d_model // n_heads`` then raise ``ValueError`` naming the option
+    and the mixer.
+
+    Raises:
+        ValueError: unknown mixer; ``mixer_options`` repeating a config field; an attention
+            option the mixer does not accept.
+    """
+    cls = get_mixer_class(config.mixer)  # ValueError naming the known mixers
+    opts = dict(config.mixer_options)
+    clash = sorted(set(opts) & {*_COMMON, "head_dim", "scaled", "rotary"})
+    if clash:
+        raise ValueError(
+            f"TransformerConfig: mixer_options {clash} are TransformerConfig fields "
+            "(or derived from 'positional'); set them there, not in mixer_options"
+        )
+    accepted = inspect.signature(cls).parameters
+    default_head_dim = (
+        config.d_model // config.n_heads if config.d_model % config.n_heads == 0 else None
+    )
+    wanted = {
+        "head_dim": (
+            config.head_dim,
+            config.head_dim in (None, default_head_dim),
+            f"head_dim={config.head_dim}",
+        ),
+        "scaled": (config.scaled, config.scaled, f"scaled={config.scaled}"),
+        "rotary": (
+            config.positional == "rotary",
+            config.positional != "rotary",
+            "positional='rotary'",
+        ),
+    }
+    for name, (value, neutral, shown) in wanted.items():
+        if name in accepted:
+            opts[name] = value
+        elif not neutral:
+            raise ValueError(
+                f"TransformerConfig: {shown} needs a mixer that accepts '{name}' "
+                f"(e.g. 'attention'); mixer {config.mixer!r} does not"
+            )
+    return opts
+
+
+class FeedForward(nn.Module):
+    """Position-wise feed-forward: ``FF(x) = dropout(act(x W_1 + b_1) W_2 + b_2)``.
+
+    ``W_1: d -> r``, ``W_2: r -> d``; ``act`` is ReLU, GELU (erf) or GELU (tanh approximation,
+    GPT-2's ``gelu_new``). Shapes: ``(..., d) -> (..., d)``.
+    """
+
+    def __init__(
+        self, d_model: int, d_ff: int, *, activation: str, dropout: float, bias: bool
+    ) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_model, d_ff, bias=bias)
+        self.act = {
+            "relu": nn.ReLU(),
+            "gelu": nn.GELU(),
+            "gelu_tanh": nn.GELU(approximate="tanh"),
+        }[activation]
+        self.fc2 = nn.Linear(d_ff, d_model, bias=bias)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.fc2(self.act(self.fc1(x))))
+
+
+class TransformerBlock(nn.Module):
+    """One block: a token mixer and a feed-forward, each in a residual branch.
+
+    With ``Mix`` the mixer (its output dropout included) and ``LN`` LayerNorm:
+
+    * ``norm="pre"`` (GPT-2): ``h = x + Mix(LN_1(x))``; ``out = h + FF(LN_2(h))``
+    * ``norm="post"`` (Vaswani et al.): ``h = LN_1(x + Mix(x))``; ``out = LN_2(h + FF(h))``
+    * ``norm="none"`` (the definition): ``h = x + Mix(x)``; ``out = h + FF(h)``
+
+    Args:
+        config: the model config; the mixer is ``build_mixer(config.mixer, ...)`` with the
+            options of :func:`mixer_options`.
+
+    Shapes:
+        ``forward``: ``x (B, T, d)``, ``padding_mask (B, T)`` -> ``(B, T, d)``;
+        ``step``: ``x (B, d)`` and the mixer state -> ``(B, d)`` and the state.
+    """
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        d = config.d_model
+        self.norm = config.norm
+        self.mixer: SequenceMixer = build_mixer(
+            config.mixer,
+            d_model=d,
+            n_heads=config.n_heads,
+            causal=config.causal,
+            max_seq_len=config.max_seq_len,
+            dropout=config.dropout,
+            bias=config.bias,
+            **mixer_options(config),
+        )
+        self.ff = FeedForward(
+            d,
+            config.resolved_d_ff,
+            activation=config.activation,
+            dropout=config.dropout,
+            bias=config.bias,
+        )
+        make_norm = (
+            (lambda: nn.LayerNorm(d, eps=config.layer_norm_eps))
+            if config.norm != "none"
+            else nn.Identity
+        )
+        self.norm1 = make_norm()
+        self.norm2 = make_norm()
+
+    def _residual(
+        self, x: torch.Tensor, mix: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        if self.norm == "post":
+            h = self.norm1(x + mix(x))
+            return self.norm2(h + self.ff(h))
+        h = x + mix(self.norm1(x))
+        return h + self.ff(self.norm2(h))
+
+    def forward(self, x: torch.Tensor, *, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self._residual(x, lambda u: self.mixer(u, padding_mask=padding_mask))
+
+    def step(self, x: torch.Tensor, state: MixerState) -> tuple[torch.Tensor, MixerState]:
+        """One decoding step of the block; norms and feed-forward act per token."""
+        out: list[MixerState] = []
+
+        def mix(u: torch.Tensor) -> torch.Tensor:
+            y, new_state = self.mixer.step(u, state)
+            out.append(new_state)
+            return y
+
+        return self._residual(x, mix), out[0]

@@ -1,0 +1,457 @@
+"""The training loop: AdamW, warm-up + cosine, clipping, accumulation, bf16, DDP, checkpoints.
+
+One optimizer step reads the step's global batch of ``batch_size`` sequences: with ``N``
+processes each rank reads its ``batch_size / N`` rows (``task.train_batch(step, rank=r,
+world_size=N)``) and splits them into ``grad_accum`` micro-batches. The loss is the mean
+negative log-likelihood over every scored target of the global batch,
+
+    L = (1 / n_global) * sum_{ranks, micro-batches, positions} -log p(target),
+
+so each micro-batch backpropagates ``N * nll_sum / n_global`` (DDP averages gradients over the
+``N`` ranks). The result does not depend on ``N`` or ``grad_accum`` beyond float rounding.
+
+Resuming restores weights, optimizer, step and every RNG; the data position *is* the step, so a
+resumed run reads the batches an uninterrupted run reads and ends with the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import sys
+import threading
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .build import build_model, build_task, model_config_for, task_info
+from .checkpoint import (
+    atomic_write_text,
+    latest_checkpoint,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from .config import TrainConfig, to_toml
+from .errors import UsageError
+from .optim import build_optimizer, lr_at
+from .progress import Progress, format_duration
+
+__all__ = ["Trainer", "evaluate", "forward_batch", "resolve_device", "DistInfo", "peak_memory_bytes"]
+
+IGNORE_INDEX = -100
+
+
+# --------------------------------------------------------------------------- devices, processes
+
+
+def resolve_device(name: str, *, local_rank: int = 0) -> torch.device:
+    """``"auto"`` -> CUDA (this process's local rank) when available, else CPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UsageError(f"device {name!r} requested but CUDA is not available (use --set device=cpu)")
+        if name == "cuda":
+            name = f"cuda:{local_rank}"
+    return torch.device(name)
+
+
+@dataclass
+class DistInfo:
+    """This process's place in a multi-process run (``rank 0 of 1`` without torchrun)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.world_size > 1
+
+
+def init_distributed(device_name: str) -> tuple[DistInfo, torch.device]:
+    """Join the process group torchrun describes (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``).
+
+    Uses NCCL on CUDA and gloo on CPU. Without torchrun's variables this is one process.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    info = DistInfo(int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0")))
+    device = resolve_device(device_name, local_rank=info.local_rank)
+    if info.active and not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return info, device
+
+
+def peak_memory_bytes(device: torch.device, baseline_rss: int) -> int:
+    """Peak memory of training: CUDA ``max_memory_allocated``; CPU peak RSS above ``baseline_rss``."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return max(0, _max_rss_bytes() - baseline_rss)
+
+
+def _max_rss_bytes() -> int:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
+
+
+# --------------------------------------------------------------------------- forward, loss, eval
+
+
+def forward_batch(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Logits of ``batch["input"]``: ``(B, T, V)`` for language/pixel models, ``(B, C)`` classifiers."""
+    if "padding_mask" in batch:
+        return model(batch["input"], padding_mask=batch["padding_mask"])
+    return model(batch["input"])
+
+
+def nll_sum(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed cross-entropy (nats) over scored targets and their count; computed in fp32.
+
+    ``nll = sum_{i: y_i != -100} -log softmax(z_i)[y_i]``.
+    """
+    loss = F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1),
+        ignore_index=IGNORE_INDEX, reduction="sum",
+    )
+    return loss, (target != IGNORE_INDEX).sum()
+
+
+def _autocast(device: torch.device, precision: str):
+    if precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    task: Any,
+    split: str,
+    *,
+    batch_size: int,
+    max_batches: int | None = None,
+    device: torch.device | str = "cpu",
+    precision: str = "fp32",
+) -> dict[str, float]:
+    """Mean loss and the task's metric on ``split``.
+
+    Returns:
+        ``{"loss": mean nll in nats, task.metric: value, "targets": scored targets}``; the bits
+        metrics are ``loss / ln 2``, accuracy is correct / scored arg-max predictions.
+    """
+    from ..data.base import count_correct
+
+    device = torch.device(device)
+    was_training = model.training
+    model.eval()
+    total, count, correct = 0.0, 0, 0
+    try:
+        for batch in task.eval_batches(split, batch_size=batch_size, max_batches=max_batches):
+            batch = {k: v.to(device) for k, v in batch.items()}
+            with _autocast(device, precision):
+                logits = forward_batch(model, batch)
+            s, n = nll_sum(logits, batch["target"])
+            total += float(s)
+            count += int(n)
+            if task.metric == "accuracy":
+                correct += count_correct(logits.float(), batch["target"])[0]
+    finally:
+        model.train(was_training)
+    if count == 0:
+        raise UsageError(f"the {split} split of task {task.name!r} is empty (use more data)")
+    loss = total / count
+    value = correct / count if task.metric == "accuracy" else task.metric_from_loss(loss)
+    return {"loss": loss, task.metric: value, "targets": count}
+
+
+# --------------------------------------------------------------------------- the trainer
+
+
+class Trainer:
+    """Train the model a :class:`TrainConfig` describes, in the run folder ``run_dir``.
+
+    Args:
+        config: the resolved config (``config.out`` is ignored; ``run_dir`` is used).
+        run_dir: run folder; must not exist (or be empty) unless ``resume``.
+        resume: continue from the newest checkpoint in ``run_dir`` (from scratch if it has none).
+        stream: where progress goes (default ``sys.stderr``); results are printed to ``sys.stdout``.
+
+    Files written (rank 0 only): ``config.toml`` (resolved config), ``task.json``,
+    ``metrics.jsonl`` (one JSON object per step and per evaluation), ``checkpoints/``,
+    ``summary.json`` (at the end).
+    """
+
+    def __init__(
+        self, config: TrainConfig, *, run_dir: str | Path, resume: bool = False, stream: TextIO | None = None,
+        out: TextIO | None = None,
+    ) -> None:
+        self.config = config
+        self.run_dir = Path(run_dir)
+        self.resume = resume
+        self.stream = stream if stream is not None else sys.stderr
+        self.out = out if out is not None else sys.stdout
+        self._stop_signal: int | None = None
+
+    # ----------------------------------------------------------------- setup
+    def _setup(self) -> None:
+        cfg = self.config
+        self.dist, self.device = init_distributed(cfg.device)
+        per_rank, rem = divmod(cfg.batch_size, self.dist.world_size)
+        if rem or per_rank % cfg.grad_accum:
+            raise UsageError(
+                f"batch_size={cfg.batch_size} must be a multiple of processes ({self.dist.world_size}) "
+                f"x grad_accum ({cfg.grad_accum}); change --set batch_size=... or grad_accum"
+            )
+        self.per_rank = per_rank
+        self.micro = per_rank // cfg.grad_accum
+        self.task = build_task(cfg)
+        self.task_info = task_info(self.task)
+        self.model_config = model_config_for(cfg, self.task)
+        torch.manual_seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        import random
+
+        random.seed(cfg.seed)
+        self.model = build_model(self.model_config, self.task_info).to(self.device)
+        self.optimizer = build_optimizer(
+            self.model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas
+        )
+        self.step = 0
+        self.tokens_seen = 0
+        if self.resume:
+            ckpt = latest_checkpoint(self.run_dir)
+            if ckpt is not None:
+                state = load_checkpoint(ckpt, self.model, map_location=self.device)
+                self.optimizer.load_state_dict(state["optimizer"])
+                set_rng_state(state["rng"])
+                self.step = int(state["step"])
+                self.tokens_seen = int(state["tokens_seen"])
+        train_model: nn.Module = self.model
+        if cfg.compile:
+            train_model = torch.compile(train_model)
+        if self.dist.active:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            train_model = DDP(train_model, device_ids=ids)
+        self.train_model = train_model
+        if self.dist.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.run_dir / "config.toml", to_toml(cfg))
+            atomic_write_text(self.run_dir / "task.json", json.dumps(
+                {**self.task_info, "info": _jsonable(self.task.info())}, indent=2))
+            self._trim_metrics()
+
+    def _trim_metrics(self) -> None:
+        """On resume, drop metric lines written after the checkpoint (they will be recomputed)."""
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            return
+        keep = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                if json.loads(line)["step"] <= self.step:
+                    keep.append(line)
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut short by a kill
+        atomic_write_text(path, "".join(x + "\n" for x in keep))
+
+    # ----------------------------------------------------------------- helpers
+    def _log(self, record: dict[str, Any]) -> None:
+        if self.dist.is_main:
+            self._metrics.write(json.dumps(record) + "\n")
+            self._metrics.flush()
+
+    def _all_reduce(self, t: torch.Tensor, op=None) -> torch.Tensor:
+        if self.dist.active:
+            dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+        return t
+
+    def _barrier(self) -> None:
+        if self.dist.active:
+            dist.barrier()
+
+    def _save(self) -> Path | None:
+        path = None
+        if self.dist.is_main and self._last_saved != self.step:
+            path = save_checkpoint(
+                self.run_dir,
+                step=self.step,
+                model=self.model,
+                config={"train": self.config.to_dict(), "model": self.model_config.to_dict(),
+                        "task": self.task_info},
+                train_state={
+                    "step": self.step,
+                    "tokens_seen": self.tokens_seen,
+                    "optimizer": self.optimizer.state_dict(),
+                    "rng": rng_state(),
+                    "world_size": self.dist.world_size,
+                },
+                keep_last=self.config.keep_last,
+            )
+            self._last_saved = self.step
+        self._barrier()
+        return path
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self._stop_signal is not None:  # second Ctrl-C: stop now
+            signal.signal(signum, signal.SIG_DFL)
+            raise KeyboardInterrupt
+        self._stop_signal = signum
+        if self.dist.is_main:
+            print(f"\naftlab: {signal.Signals(signum).name} received: saving a checkpoint after this step "
+                  "(press Ctrl-C again to abort without saving)", file=self.stream, flush=True)
+
+    def evaluate(self, split: str, max_batches: int | None) -> dict[str, float]:
+        """Evaluate the current weights on ``split`` (see :func:`evaluate`)."""
+        return evaluate(
+            self.model, self.task, split,
+            batch_size=self.config.eval_batch_size or self.config.batch_size,
+            max_batches=max_batches, device=self.device, precision=self.config.precision,
+        )
+
+    # ----------------------------------------------------------------- one step
+    def _train_step(self) -> float:
+        cfg, d = self.config, self.dist
+        lr = lr_at(self.step, lr=cfg.lr, min_lr=cfg.min_lr, warmup=cfg.warmup, steps=cfg.steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        batch = self.task.train_batch(self.step, batch_size=self.per_rank, rank=d.rank, world_size=d.world_size)
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        n_global = self._all_reduce((batch["target"] != IGNORE_INDEX).sum().to(torch.float64)).clamp_min(1)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for i in range(cfg.grad_accum):
+            mb = {k: v[i * self.micro:(i + 1) * self.micro] for k, v in batch.items()}
+            sync = d.active and i < cfg.grad_accum - 1
+            with self.train_model.no_sync() if sync else nullcontext():
+                with _autocast(self.device, cfg.precision):
+                    logits = forward_batch(self.train_model, mb)
+                s, _ = nll_sum(logits, mb["target"])
+                (s * (d.world_size / n_global.float())).backward()
+            total += s.detach().double()
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.tokens_seen += int(batch["input"].numel()) * d.world_size
+        self._lr = lr
+        return float(self._all_reduce(total) / n_global)
+
+    # ----------------------------------------------------------------- the loop
+    def fit(self) -> dict[str, Any]:
+        """Train to ``config.steps`` (or until Ctrl-C), then evaluate on the test split and sample.
+
+        Returns:
+            The summary (also written to ``summary.json``): parameters, steps, final train loss,
+            test loss and metric, training tokens/s, peak memory; ``"interrupted": True`` when
+            a signal stopped the run (after saving a checkpoint).
+        """
+        self._setup()
+        cfg = self.config
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        baseline_rss = _max_rss_bytes()
+        self._last_saved = self.step if self.resume and self.step > 0 else -1
+        start_step = self.step
+        self._metrics = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8") if self.dist.is_main else None
+        n_params = sum(p.numel() for p in self.model.parameters())
+        progress = Progress(total=cfg.steps, initial=self.step, log_interval=cfg.log_interval,
+                            stream=self.stream, enabled=self.dist.is_main)
+        if self.step == 0 or not self.resume:
+            progress.write(f"aftlab: training {cfg.mixer} on {cfg.task} ({n_params:,} parameters, "
+                           f"{self.dist.world_size} process(es), device {self.device}) -> {self.run_dir}")
+        else:
+            progress.write(f"aftlab: resuming {self.run_dir} at step {self.step}/{cfg.steps}")
+        handlers = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                handlers[sig] = signal.signal(sig, self._on_signal)
+        train_time, loss = 0.0, float("nan")
+        session_tokens0 = self.tokens_seen
+        try:
+            while self.step < cfg.steps:
+                t0 = time.perf_counter()
+                loss = self._train_step()
+                dt = time.perf_counter() - t0
+                train_time += dt
+                tok_s = (self.tokens_seen - session_tokens0) / max(train_time, 1e-9)
+                self._log({"step": self.step, "split": "train", "loss": loss, "lr": self._lr,
+                           "tokens": self.tokens_seen, "tokens_per_s": tok_s, "time": time.time()})
+                progress.update(self.step, loss=loss, lr=self._lr, tokens_per_s=tok_s)
+                if cfg.eval_interval and self.step % cfg.eval_interval == 0 and self.step < cfg.steps:
+                    self._periodic_eval(progress)
+                stop = torch.tensor(float(self._stop_signal is not None), device=self.device)
+                if float(self._all_reduce(stop, dist.ReduceOp.MAX if self.dist.active else None)) > 0:
+                    path = self._save()
+                    progress.close()
+                    if self.dist.is_main:
+                        where = path or latest_checkpoint(self.run_dir)
+                        print(f"aftlab: interrupted at step {self.step}/{cfg.steps}; checkpoint {where}; "
+                              f"continue with: aftlab train --resume --out {self.run_dir}",
+                              file=self.stream, flush=True)
+                    return {"interrupted": True, "step": self.step}
+                if cfg.checkpoint_interval and self.step % cfg.checkpoint_interval == 0:
+                    self._save()
+            self._save()
+        finally:
+            progress.close()
+            for sig, h in handlers.items():
+                signal.signal(sig, h)
+            if self._metrics is not None:
+                self._metrics.close()
+        summary: dict[str, Any] = {
+            "task": cfg.task, "mixer": cfg.mixer, "parameters": n_params, "steps": self.step,
+            "train_loss": loss, "tokens_seen": self.tokens_seen,
+            "train_tokens_per_s": (self.tokens_seen - session_tokens0) / train_time if train_time else None,
+            "train_time_s": train_time, "peak_memory_bytes": peak_memory_bytes(self.device, baseline_rss),
+            "device": str(self.device), "world_size": self.dist.world_size, "metric": self.task.metric,
+            "resumed_from": start_step if self.resume else None,
+        }
+        if self.dist.is_main:
+            test = self.evaluate("test", cfg.test_batches or None)
+            summary.update({"test_loss": test["loss"], "test_" + self.task.metric: test[self.task.metric]})
+            atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2))
+            print(f"test {self.task.metric}: {test[self.task.metric]:.4f}  (loss {test['loss']:.4f} nats, "
+                  f"{test['targets']:,} targets; {format_duration(train_time)} of training, "
+                  f"{summary['train_tokens_per_s'] or 0:,.0f} tok/s)", file=self.out, flush=True)
+            if cfg.sample_tokens and hasattr(self.task, "decode") and self.task_info["image_shape"] is None \
+                    and self.task.kind == "lm":
+                from .sampling import sample_text
+
+                print("--- sample ---", file=self.out, flush=True)
+                sample_text(self.model, self.task, prompt=None, tokens=cfg.sample_tokens, temperature=0.8,
+                            top_k=None, seed=cfg.seed, out=self.out)
+        self._barrier()
+        return summary
+
+    def _periodic_eval(self, progress: Progress) -> None:
+        if self.dist.is_main:
+            res = self.evaluate("val", self.config.eval_batches)
+            metric = self.task.metric
+            self._log({"step": self.step, "split": "val", "loss": res["loss"], metric: res[metric],
+                       "time": time.time()})
+            progress.write(f"step {self.step}: val loss {res['loss']:.4f}, val {metric} {res[metric]:.4f}")
+        self._barrier()
+
+
+def _jsonable(obj: Any) -> Any:
+    return json.loads(json.dumps(obj, default=str))

@@ -1,0 +1,134 @@
+"""TransformerConfig: JSON round trip, derived sizes and every validation error."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import pytest
+
+from aftlab.models import TransformerConfig
+
+
+def _custom() -> TransformerConfig:
+    return TransformerConfig(
+        vocab_size=50,
+        d_model=48,
+        n_layers=3,
+        n_heads=3,
+        head_dim=16,
+        d_ff=100,
+        max_seq_len=77,
+        mixer="aft-local",
+        mixer_options={"window": 8, "nested": {"a": [1, 2]}},
+        causal=False,
+        norm="post",
+        activation="relu",
+        positional="sinusoidal",
+        scaled=False,
+        dropout=0.25,
+        bias=False,
+        tie_embeddings=False,
+        layer_norm_eps=1e-6,
+        final_norm=False,
+    )
+
+
+def test_custom_config_differs_from_defaults_in_every_field():
+    # so that the round trips below would notice a field that is dropped or reset
+    default, custom = TransformerConfig(), _custom()
+    for f in dataclasses.fields(TransformerConfig):
+        assert getattr(default, f.name) != getattr(custom, f.name), f.name
+
+
+@pytest.mark.parametrize("make", [TransformerConfig, _custom])
+def test_dict_json_round_trip(make):
+    cfg = make()
+    data = cfg.to_dict()
+    assert set(data) == {f.name for f in dataclasses.fields(TransformerConfig)}
+    back = TransformerConfig.from_dict(json.loads(json.dumps(data)))
+    assert back == cfg
+    assert back.to_dict() == data
+
+
+def test_to_json_from_json_round_trip():
+    cfg = _custom()
+    text = cfg.to_json()
+    assert json.loads(text)["mixer_options"] == {"window": 8, "nested": {"a": [1, 2]}}
+    assert TransformerConfig.from_json(text) == cfg
+
+
+def test_to_dict_is_a_copy():
+    cfg = _custom()
+    data = cfg.to_dict()
+    data["mixer_options"]["window"] = 999
+    assert cfg.mixer_options["window"] == 8
+
+
+def test_defaults_resolution():
+    cfg = TransformerConfig(d_model=96, n_heads=3)
+    assert cfg.head_dim is None and cfg.d_ff is None
+    assert cfg.resolved_head_dim == 32
+    assert cfg.resolved_d_ff == 4 * 96
+    explicit = TransformerConfig(d_model=96, n_heads=5, head_dim=7, d_ff=11)
+    assert explicit.resolved_head_dim == 7
+    assert explicit.resolved_d_ff == 11
+
+
+def test_n_heads_need_not_divide_d_model_when_head_dim_given():
+    assert TransformerConfig(d_model=10, n_heads=3, head_dim=4).resolved_head_dim == 4
+
+
+BAD = [
+    ("vocab_size", 0),
+    ("d_model", -4),
+    ("n_layers", True),
+    ("n_heads", 0),
+    ("max_seq_len", "1024"),
+    ("max_seq_len", 2.0),
+    ("head_dim", 0),
+    ("head_dim", 1.5),
+    ("d_ff", -1),
+    ("norm", "sandwich"),
+    ("activation", "swish"),
+    ("positional", "alibi"),
+    ("mixer", 3),
+    ("mixer_options", ["window", 8]),
+    ("dropout", 1.0),
+    ("dropout", -0.1),
+    ("layer_norm_eps", 0.0),
+]
+
+
+@pytest.mark.parametrize("field,value", BAD, ids=[f"{f}={v!r}" for f, v in BAD])
+def test_validation_names_the_field(field, value):
+    prefix = f"TransformerConfig: '{field}' must be"
+    with pytest.raises(ValueError, match=re.escape(prefix)) as info:
+        TransformerConfig(**{field: value})
+    assert repr(value) in str(info.value)  # the received value is shown
+
+
+def test_n_heads_not_dividing_d_model():
+    with pytest.raises(ValueError, match=r"'n_heads' must be a divisor of d_model=10.*got 3"):
+        TransformerConfig(d_model=10, n_heads=3)
+
+
+def test_from_dict_rejects_unknown_fields_and_non_dicts():
+    data = TransformerConfig().to_dict() | {"n_layer": 2, "zz": 1}
+    with pytest.raises(ValueError, match=re.escape("unknown field(s) ['n_layer', 'zz']")) as info:
+        TransformerConfig.from_dict(data)
+    assert "n_layers" in str(info.value)  # lists the known fields
+    with pytest.raises(TypeError, match="expected a dict, got list"):
+        TransformerConfig.from_dict([("d_model", 8)])
+
+
+def test_from_dict_validates_values():
+    data = TransformerConfig().to_dict() | {"norm": "middle"}
+    with pytest.raises(ValueError, match="'norm' must be one of"):
+        TransformerConfig.from_dict(data)
+
+
+def test_from_dict_partial_uses_defaults():
+    cfg = TransformerConfig.from_dict({"d_model": 32, "n_heads": 2})
+    assert cfg.d_model == 32 and cfg.n_layers == TransformerConfig().n_layers
