@@ -98,6 +98,13 @@ BAD = [
     ("dropout", 1.0),
     ("dropout", -0.1),
     ("layer_norm_eps", 0.0),
+    ("dropout", "abc"),
+    ("dropout", None),
+    ("layer_norm_eps", "1e-5"),
+    ("mixer_options", {"window": object}),
+    ("causal", 1),
+    ("scaled", "yes"),
+    ("tie_embeddings", None),
 ]
 
 
