@@ -6,13 +6,20 @@ import argparse
 import csv
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
 
-from aftlab.bench import CASES, BenchConfig, default_cases, run_bench
+from aftlab.bench import CASES, BenchConfig, Shape, default_cases, run_bench
 from aftlab.bench.cli import add_arguments, config_from_args, main
-from aftlab.bench.measure import _peak_memory, read_status_kib, tensor_bytes
+from aftlab.bench.measure import (
+    CaseSpec,
+    _peak_memory,
+    read_status_kib,
+    run_isolated,
+    tensor_bytes,
+)
 from aftlab.bench.report import CSV_FIELDS, evaluate_targets
 
 TINY = dict(batch=1, dim=16, heads=4, repeats=1, limits_size="tiny", max_seconds_per_case=30.0)
@@ -20,12 +27,20 @@ STATUSES = {"ok", "skipped", "failed", "error"}
 
 
 def _rows(result, mixer, mode=None):
-    return [r for r in result["results"] if r["mixer"] == mixer and (mode is None or r["mode"] == mode)]
+    return [
+        r for r in result["results"] if r["mixer"] == mixer and (mode is None or r["mode"] == mode)
+    ]
 
 
-def test_end_to_end_isolated_writes_schema(tmp_path):
-    cfg = BenchConfig(mixers=["attention-sdpa", "aft-simple"], lengths=[16, 32], causal=True,
-                      out=tmp_path, isolate=True, **TINY)
+def test_end_to_end_writes_schema(tmp_path):
+    cfg = BenchConfig(
+        mixers=["attention-sdpa", "aft-simple"],
+        lengths=[16, 32],
+        causal=True,
+        out=tmp_path,
+        isolate=False,
+        **TINY,
+    )
     result = run_bench(cfg, argv=["aftlab", "bench", "--test"], log=None)
 
     for name in ("results.json", "results.csv", "summary.md"):
@@ -49,7 +64,9 @@ def test_end_to_end_isolated_writes_schema(tmp_path):
     for r in sdpa:
         assert r["status"] == "ok", r["note"]
         assert r["gate"] == "passed" and r["time_median_s"] > 0 and r["repeats"] == 1
-        assert r["floor_s"] > 0 and r["ratio_to_floor"] == pytest.approx(r["time_median_s"] / r["floor_s"])
+        assert r["floor_s"] > 0 and r["ratio_to_floor"] == pytest.approx(
+            r["time_median_s"] / r["floor_s"]
+        )
         assert isinstance(r["peak_bytes"], int) and r["peak_bytes"] >= 0
     decode = [r for r in sdpa if r["mode"] == "decode"]
     # the KV cache of attention holds at least k and v for every past position
@@ -65,8 +82,28 @@ def test_end_to_end_isolated_writes_schema(tmp_path):
     summary = (tmp_path / "summary.md").read_text()
     assert "| attention-sdpa |" in summary and "## Targets (issue 5)" in summary
     pytest.importorskip("matplotlib")
-    assert (tmp_path / "time_forward.png").stat().st_size > 0
-    assert (tmp_path / "memory_train.png").exists() or (tmp_path / "time_train.png").exists()
+    for mode in ("forward", "train", "decode"):
+        assert (tmp_path / f"bench_{mode}.png").stat().st_size > 0
+
+
+def test_isolated_case_runs_in_a_fresh_process():
+    spec = CaseSpec(
+        "attention-sdpa",
+        "train",
+        True,
+        Shape(1, 16, 16, 4),
+        "float32",
+        "cpu",
+        threads=1,
+        repeats=2,
+        warmup=1,
+        max_seconds=30.0,
+    )
+    out = run_isolated(spec, timeout=120)
+    assert out["status"] == "ok", out.get("note")
+    assert out["pid"] != os.getpid()
+    assert len(out["times"]) == 2 and all(t > 0 for t in out["times"])
+    assert out["mem_method"] == "VmHWM - VmRSS" and out["peak_bytes"] >= 0
 
 
 def _wrong_forward(x, causal):
@@ -82,29 +119,48 @@ def test_correctness_gate_refuses_wrong_op():
     cases = default_cases()
     cases["attention-sdpa"] = dataclasses.replace(CASES["attention-sdpa"], op=_wrong_forward)
     cases["attention-naive"] = dataclasses.replace(CASES["attention-naive"], op=_wrong_backward)
-    cfg = BenchConfig(mixers=["attention-sdpa", "attention-naive"], lengths=[16], modes=["forward", "train"],
-                      isolate=False, **TINY)
+    cfg = BenchConfig(
+        mixers=["attention-sdpa", "attention-naive"],
+        lengths=[16],
+        modes=["forward", "train"],
+        isolate=False,
+        **TINY,
+    )
     result = run_bench(cfg, cases=cases, log=None)
     for r in _rows(result, "attention-sdpa"):
         assert r["status"] == "failed" and r["gate"] == "failed"
         assert "correctness gate failed" in r["note"] and "y" in r["note"]
         assert r["time_median_s"] is None and r["peak_bytes"] is None
-    fwd, train = _rows(result, "attention-naive", "forward")[0], _rows(result, "attention-naive", "train")[0]
+    fwd, train = (
+        _rows(result, "attention-naive", "forward")[0],
+        _rows(result, "attention-naive", "train")[0],
+    )
     assert fwd["status"] == "ok" and fwd["gate"] == "passed"
     assert train["status"] == "failed" and "dq" in train["note"] and train["time_median_s"] is None
 
 
 def test_oversize_and_over_budget_cases_are_skipped_with_a_note():
-    cfg = BenchConfig(mixers=["attention-naive"], lengths=[16, 4096], modes=["forward"],
-                      isolate=False, max_memory_gb=0.25, **TINY)
+    cfg = BenchConfig(
+        mixers=["attention-naive"],
+        lengths=[16, 4096],
+        modes=["forward"],
+        isolate=False,
+        max_memory_gb=0.25,
+        **TINY,
+    )
     result = run_bench(cfg, log=None)
     small, big = _rows(result, "attention-naive")
     assert small["status"] == "ok"
     assert big["status"] == "skipped" and "exceeds the memory limit" in big["note"]
     assert big["est_peak_bytes"] > 0.25 * 2**30 and big["time_median_s"] is None
 
-    cfg = BenchConfig(mixers=["attention-sdpa"], lengths=[16, 32], modes=["train"], isolate=False,
-                      **{**TINY, "max_seconds_per_case": 1e-12})
+    cfg = BenchConfig(
+        mixers=["attention-sdpa"],
+        lengths=[16, 32],
+        modes=["train"],
+        isolate=False,
+        **{**TINY, "max_seconds_per_case": 1e-12},
+    )
     rows = run_bench(cfg, log=None)["results"]
     assert [r["status"] for r in rows] == ["skipped", "skipped"]
     assert "budget" in rows[0]["note"] and "budget" in rows[1]["note"]
@@ -163,7 +219,8 @@ def test_peak_memory_sees_a_64_mib_temporary():
         x = torch.ones(16 * 2**20)  # 64 MiB, touched
         return float(x[-1])
 
-    peak, method = _peak_memory(alloc, torch.device("cpu"))
+    peak, method, seconds = _peak_memory(alloc, torch.device("cpu"))
+    assert seconds > 0
     assert method == "VmHWM - VmRSS"
     assert 60 * 2**20 <= peak <= 200 * 2**20
 
@@ -175,21 +232,39 @@ def test_tensor_bytes_counts_each_storage_once():
 
 
 def _fake(mixer, mode, T, t, causal=True, peak=1, floor=None):
-    return {"mixer": mixer, "mode": mode, "T": T, "causal": causal, "status": "ok",
-            "time_median_s": t, "peak_bytes": peak, "ratio_to_floor": floor}
+    return {
+        "mixer": mixer,
+        "mode": mode,
+        "T": T,
+        "causal": causal,
+        "status": "ok",
+        "time_median_s": t,
+        "peak_bytes": peak,
+        "ratio_to_floor": floor,
+    }
 
 
 def test_targets_met_and_missed_from_measurements():
     rows = [
-        _fake("aft-simple", "train", 2048, 1.0, floor=2.0), _fake("aft-simple", "train", 16384, 12.0, floor=4.0),
-        _fake("aft-local", "train", 2048, 1.0), _fake("aft-local", "train", 16384, 8.5, peak=10),
-        _fake("attention-sdpa", "train", 4096, 40.0), _fake("aft-simple", "train", 4096, 2.0),
-        _fake("aft-local", "train", 4096, 10.0), _fake("attention-sdpa", "train", 16384, 100.0, peak=20),
-        _fake("aft-full", "train", 2048, 3.0, causal=False), _fake("aft-full-matmul", "train", 2048, 2.5, False),
+        _fake("aft-simple", "train", 2048, 1.0, floor=2.0),
+        _fake("aft-simple", "train", 16384, 12.0, floor=4.0),
+        _fake("aft-local", "train", 2048, 1.0),
+        _fake("aft-local", "train", 16384, 8.5, peak=10),
+        _fake("attention-sdpa", "train", 4096, 40.0),
+        _fake("aft-simple", "train", 4096, 2.0),
+        _fake("aft-local", "train", 4096, 10.0),
+        _fake("attention-sdpa", "train", 16384, 100.0, peak=20),
+        _fake("aft-full", "train", 2048, 3.0, causal=False),
+        _fake("aft-full-matmul", "train", 2048, 2.5, False),
         _fake("aft-full", "train", 2048, 1.5),
-        _fake("aft-decay", "decode", 128, 1e-4), _fake("aft-decay", "decode", 16384, 2e-4),
+        _fake("aft-decay", "decode", 128, 1e-4),
+        _fake("aft-decay", "decode", 16384, 2e-4),
     ]
-    result = {"results": rows, "config": {"causal": True, "lengths": [2048, 4096, 16384]}, "compare": []}
+    result = {
+        "results": rows,
+        "config": {"causal": True, "lengths": [2048, 4096, 16384]},
+        "compare": [],
+    }
     t = {(x["id"], x["target"].split()[0]): x for x in evaluate_targets(result)}
     assert t[("linear-growth", "aft-simple")]["status"] == "missed"  # 12x > 10x
     assert t[("linear-growth", "aft-local")]["status"] == "met"
@@ -200,7 +275,9 @@ def test_targets_met_and_missed_from_measurements():
     assert t[("memory-vs-sdpa", "aft-local")]["status"] == "met"
     assert t[("near-floor", "aft-simple")]["status"] == "missed"  # 4x floor at the largest T
     assert t[("full-vs-matmul", "aft-full")]["value"] == pytest.approx(1.2)
-    causal_train = [x for x in evaluate_targets(result) if x["target"].startswith("causal aft-full train")][0]
+    causal_train = [
+        x for x in evaluate_targets(result) if x["target"].startswith("causal aft-full train")
+    ][0]
     assert causal_train["status"] == "met" and causal_train["value"] == pytest.approx(0.5)
     decay = [x for x in evaluate_targets(result) if x["target"].startswith("aft-decay decode")][0]
     assert decay["status"] == "missed" and decay["value"] == pytest.approx(2.0)

@@ -110,3 +110,20 @@ def test_metric_from_loss_bits():
     task = build_task("copy", seq_len=16)
     task.metric = "bits/dim"  # any bits metric: nats / ln 2
     assert task.metric_from_loss(3 * math.log(2)) == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("name", ["recall", "copy", "digits", "digits-classify"])
+def test_a_new_instance_reads_the_same_batches(name):
+    """Resuming = building the task again and asking for step k: the same data."""
+    if name.startswith("digits"):
+        pytest.importorskip("sklearn.datasets")
+    a = build_task(name, seed=11)
+    b = build_task(name, seed=11)
+    for step in (0, 17, 1000):
+        x = a.train_batch(step, batch_size=4, rank=1, world_size=2)
+        y = b.train_batch(step, batch_size=4, rank=1, world_size=2)
+        assert torch.equal(x["input"], y["input"]) and torch.equal(x["target"], y["target"])
+    c = build_task(name, seed=12).train_batch(17, batch_size=4, rank=1, world_size=2)
+    assert not torch.equal(
+        c["input"], a.train_batch(17, batch_size=4, rank=1, world_size=2)["input"]
+    )

@@ -190,3 +190,21 @@ def test_cifar10_bad_files(tmp_path):
         pickle.dump([1, 2, 3], f)
     with pytest.raises(DataError, match="no b'data' and b'labels'"):
         build_task("cifar10", data=tmp_path)
+
+
+@pytest.mark.parametrize("protocol", [2, pickle.HIGHEST_PROTOCOL])
+def test_cifar10_pickle_protocols(tmp_path, protocol):
+    """The real files are protocol-2 pickles naming ``numpy.core.multiarray`` (NumPy 1)."""
+    arrays = write_cifar(tmp_path)
+    data = np.arange(2 * 3072, dtype=np.int64).astype(np.uint8).reshape(2, 3072)
+    raw = pickle.dumps({b"data": data, b"labels": [3, 4]}, protocol=protocol)
+    if protocol == 2:
+        raw = raw.replace(b"numpy._core.multiarray", b"numpy.core.multiarray")
+        assert b"numpy.core.multiarray" in raw
+    (tmp_path / "test_batch").write_bytes(raw)
+    task = build_task("cifar10", data=tmp_path)
+    assert task.info()["split_images"]["test"] == 2 and len(arrays["train"]) == 20
+    test = next(task.eval_batches("test", batch_size=2))["target"]
+    np.testing.assert_array_equal(
+        task.decode_image(test), data.reshape(2, 3, 32, 32).transpose(0, 2, 3, 1)
+    )

@@ -166,13 +166,14 @@ def test_folder_split_by_file(text_folder):
     assert task.info()["files"] == {"train": 36, "val": 2, "test": 2}
 
 
-def test_folder_split_is_stable_when_a_file_is_added(text_folder):
-    """A file's split depends on its path (and the file count), not on the other files."""
+def test_folder_split_depends_only_on_the_paths(text_folder):
+    """Not on listing order or contents: an edited file stays in its split."""
     root, _ = text_folder
-    before = assign_files(list_text_files(root))
-    (root / "zzz_new.txt").write_bytes(_corpus(400, seed=123))
-    after = assign_files(list_text_files(root))
-    assert before["val"] == after["val"] and before["test"] == after["test"]
+    files = list_text_files(root)
+    before = assign_files(files)
+    assert assign_files(files[::-1]) == before
+    (root / before["val"][0]).write_bytes(b"edited " * 100)
+    assert assign_files(list_text_files(root)) == before
 
 
 def test_folder_cache_is_reused_and_rebuilt_on_change(text_folder, tmp_path):
@@ -285,7 +286,11 @@ def test_tasks_that_need_data_say_so(task):
 def test_file_shorter_than_one_context(tmp_path):
     path = tmp_path / "short.txt"
     path.write_bytes(_corpus(300))  # val and test: 15 bytes each
-    with pytest.raises(DataError, match=r"val split .* 15 bytes.*seq_len\+1=17.*smaller seq_len"):
+    with pytest.raises(
+        DataError,
+        match=r"\(300 bytes\) is too short for seq_len=16: its val split has 15 bytes, fewer "
+        r"than one context of seq_len\+1=17; use more data or a smaller seq_len",
+    ):
         build_task("text", data=path, seq_len=16)
     assert build_task("text", data=path, seq_len=14).seq_len == 14
 
@@ -322,3 +327,11 @@ def test_bad_options(text_file):
         build_task("enwik8", data=path, seq_len=16, split="random")
     with pytest.raises(DataError, match="option 'split' must be str, got int"):
         build_task("enwik8", data=path, seq_len=16, split=3)
+
+
+def test_unwritable_cache(text_folder, tmp_path):
+    root, _ = text_folder
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("a file where the cache folder should be")
+    with pytest.raises(DataError, match="cannot write the data cache .*set AFTLAB_CACHE_DIR"):
+        build_task("text", data=root, seq_len=16, cache_dir=str(blocker / "cache"))

@@ -65,11 +65,13 @@ def test_sdpa_matches_naive_forward_backward(T, causal, variant):
     names = ["x", *(n for n, _ in fast.named_parameters())]
     grads_fast = torch.autograd.grad(y_fast, [x, *fast.parameters()], g)
     grads_ref = torch.autograd.grad(y_ref, [x, *ref.parameters()], g)
-    for name, a, e in zip(names, grads_fast, grads_ref):
+    for name, a, e in zip(names, grads_fast, grads_ref, strict=True):
         assert_close(f"dL/d{name}", a, e)
 
 
-def _loop_attention(m: MultiHeadAttention, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def _loop_attention(
+    m: MultiHeadAttention, x: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
     """softmax(s q_t . k_t') over allowed t', straight from the formula, one query at a time."""
     B, T, _ = x.shape
     H, hd = m.n_heads, m.head_dim
@@ -95,8 +97,10 @@ def _loop_attention(m: MultiHeadAttention, x: torch.Tensor, mask: torch.Tensor |
     y = out @ m.out_proj.weight.T + m.out_proj.bias
     if mask is not None:
         has = torch.tensor(
-            [[any((not m.causal or s <= t) and mask[bi, s] for s in range(T)) for t in range(T)]
-             for bi in range(B)]
+            [
+                [any((not m.causal or s <= t) and mask[bi, s] for s in range(T)) for t in range(T)]
+                for bi in range(B)
+            ]
         )
         y = y * has[..., None]
     return y

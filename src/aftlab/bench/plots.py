@@ -33,7 +33,7 @@ def _series(rows: list[dict], mode: str, key: str) -> dict[str, tuple[list[int],
 
 
 def write_plots(result: dict, out: Path) -> tuple[list[Path], str]:
-    """Write ``time_<mode>.png`` and ``memory_<mode>.png``; return (paths, note if skipped)."""
+    """Write ``bench_<mode>.png`` (time and memory panels); return (paths, note if skipped)."""
     try:
         import matplotlib
 
@@ -41,34 +41,33 @@ def write_plots(result: dict, out: Path) -> tuple[list[Path], str]:
         import matplotlib.pyplot as plt
     except ImportError:
         return [], "matplotlib is not installed (pip install 'aftlab[plot]')"
-    m = result["machine"]
+    m, cfg = result["machine"], result["config"]
     made = []
+    panels = (
+        ("time_median_s", 1e3, "median time (ms)"),
+        ("peak_bytes", 2**-20, "peak memory above inputs (MiB)"),
+    )
     for mode in ("forward", "train", "decode"):
-        for key, scale, unit, stem in (
-            ("time_median_s", 1e3, "median time (ms)", "time"),
-            ("peak_bytes", 2**-20, "peak memory above inputs (MiB)", "memory"),
-        ):
-            series = _series(result["results"], mode, key)
-            if not series:
-                continue
-            fig, ax = plt.subplots(figsize=(6.4, 4.4))
+        data = [(_series(result["results"], mode, key), scale, unit) for key, scale, unit in panels]
+        if not data[0][0]:
+            continue
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+        for ax, (series, scale, unit) in zip(axes, data, strict=True):
             for label, (xs, ys) in series.items():
-                ax.plot(xs, [y * scale for y in ys], marker="o", label=label)
+                ax.plot(xs, [max(y * scale, 1e-6) for y in ys], marker="o", label=label)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("position T" if mode == "decode" else "sequence length T")
             ax.set_ylabel(unit)
-            cfg = result["config"]
-            ax.set_title(
-                f"{_TITLES[mode]}: B={cfg['batch']}, d={cfg['dim']}, {cfg['dtype']}, "
-                f"{m['device']}, {m['threads']} threads",
-                fontsize=9,
-            )
             ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=7)
-            fig.tight_layout()
-            path = out / f"{stem}_{mode}.png"
-            fig.savefig(path, dpi=110)
-            plt.close(fig)
-            made.append(path)
+        axes[0].legend(fontsize=7)
+        fig.suptitle(
+            f"{_TITLES[mode]}: B={cfg['batch']}, d={cfg['dim']}, {cfg['dtype']}, "
+            f"{m['device']}, {m['threads']} threads",
+            fontsize=10,
+        )
+        path = out / f"bench_{mode}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        made.append(path)
     return made, "" if made else "no measured case to plot"

@@ -22,7 +22,7 @@ import torch
 from .cases import CASES, MATMUL_CASE, MODES, OpCase, Shape
 from .gate import GateResult, check_case
 from .machine import machine_info, measure_limits
-from .measure import COMPARE_BUILDERS, CaseSpec, run_case, run_isolated
+from .measure import COMPARE_BUILDERS, CaseSpec, can_isolate, run_case, run_isolated
 
 __all__ = ["BenchConfig", "run_bench", "DTYPES"]
 
@@ -293,11 +293,11 @@ def run_bench(
                             f"memory limit {mem_limit / 2**30:.2f} GiB"
                         ),
                     )
-                elif 3 * row["floor_s"] > cfg.max_seconds_per_case:
+                elif 2 * row["floor_s"] > cfg.max_seconds_per_case:
                     row.update(
                         status="skipped",
                         note=(
-                            f"3 calls at the floor ({row['floor_s']:.2f} s each) exceed the "
+                            f"2 calls at the floor ({row['floor_s']:.2f} s each) exceed the "
                             f"{cfg.max_seconds_per_case:g} s budget"
                         ),
                     )
@@ -365,7 +365,7 @@ def _execute(spec: CaseSpec, case: OpCase | None, isolate: bool, budget: float) 
         or spec.name == MATMUL_CASE.name
         or (spec.name in CASES and CASES[spec.name] is case)
     )
-    if isolate and builtin:
+    if isolate and builtin and can_isolate():
         return run_isolated(spec, timeout=3 * budget + 60)
     return run_case(spec, case)
 
@@ -384,12 +384,13 @@ def _measure(
         return
     times = out["times"]
     med = statistics.median(times)
+    where = "fresh process" if out.get("pid") != os.getpid() else "in-process"
     row.update(
         time_median_s=med,
         time_min_s=min(times),
         repeats=len(times),
         peak_bytes=out["peak_bytes"],
-        mem_method=out["mem_method"],
+        mem_method=f"{out['mem_method']}, {where}",
         state_bytes=out.get("state_bytes"),
         ratio_to_floor=med / row["floor_s"] if row["floor_s"] else None,
     )

@@ -126,7 +126,7 @@ def add_eval(sub) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR", help="a folder written by aftlab train")
     p.add_argument("--split", choices=("val", "test"), default="test", help="split to evaluate (default test)")
     p.add_argument("--batches", type=int, metavar="N", help="evaluate only the first N batches (default: all)")
-    p.add_argument("--batch-size", type=int, metavar="B", help="sequences per batch (default: the run's)")
+    p.add_argument("--batch-size", type=int, default=64, metavar="B", help="sequences per batch (default 64)")
     p.add_argument("--data", metavar="PATH", help="read the data from PATH instead of the run's data path")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
     p.set_defaults(func=cmd_eval)
@@ -142,7 +142,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     run = load_run(args.run_dir, device=device, data=args.data)
     res = evaluate(run.model, run.task, args.split,
-                   batch_size=args.batch_size or run.config.eval_batch_size or run.config.batch_size,
+                   batch_size=args.batch_size,
                    max_batches=args.batches, device=device, precision=run.config.precision)
     metric = run.task.metric
     print(f"{args.split} {metric}: {res[metric]:.4f}  (loss {res['loss']:.4f} nats over {res['targets']:,} "

@@ -1,17 +1,13 @@
 """Datasets as deterministic batches of token ids: ``build_task(name, data=..., seq_len=...)``.
 
-========================  =======  ==========  ===========================================
-task                      kind     metric      data
-========================  =======  ==========  ===========================================
-``text`` (default)        lm       bpb         UTF-8 file or folder; default: Python stdlib
-``enwik8``                lm       bpc         local enwik8 file
-``text8``                 lm       bpc         local text8 file
-``digits``                lm       bits/dim    scikit-learn's 8x8 digits (``aftlab[data]``)
-``digits-classify``       classify accuracy    the same digits, 10 labels
-``cifar10``               lm       bits/dim    local ``cifar-10-batches-py`` folder
-``recall``                lm       accuracy    generated (multi-query associative recall)
-``copy``                  lm       accuracy    generated (copying)
-========================  =======  ==========  ===========================================
+Tasks (kind, metric, data):
+    ``text`` (default): lm, bpb; a UTF-8 file or folder, default Python's stdlib sources.
+    ``enwik8``, ``text8``: lm, bpc; a local copy of the file.
+    ``digits``: lm, bits/dim; scikit-learn's 8x8 digits (extra ``aftlab[data]``).
+    ``digits-classify``: classify, accuracy; the same digits, 10 labels.
+    ``cifar10``: lm, bits/dim; a local ``cifar-10-batches-py`` folder.
+    ``recall``: lm, accuracy; generated multi-query associative recall.
+    ``copy``: lm, accuracy; generated copying.
 
 See docs/data.md for splits and options. Example::
 

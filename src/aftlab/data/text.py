@@ -10,8 +10,8 @@ Splits:
       :func:`list_text_files`). Each file goes whole to one split: files are ordered by the
       SHA-1 of their relative path, the first ``max(1, round(0.05 n))`` go to val, the next
       as many to test, the rest to train; within a split, files follow sorted relative path.
-      A file's split depends only on its own path and the number of files. A folder with
-      fewer than 3 text files is concatenated and split like one file.
+      The split depends only on the set of relative paths. A folder with fewer than 3 text
+      files is concatenated and split like one file.
     * no ``data``: the ``.py`` files of Python's standard library, split like a folder.
     * enwik8 / text8: the standard first 90,000,000 / next 5,000,000 / last 5,000,000 bytes
       of the 100,000,000-byte file; a file of any other size is split 90/5/5 by position with
@@ -108,9 +108,11 @@ class ByteLMTask(Task):
         self.details = dict(details or {})
         for split, arr in splits.items():
             if len(arr) < seq_len + 1:
+                total = sum(len(a) for a in splits.values())
                 raise DataError(
-                    f"{name}: the {split} split of {source} has {len(arr)} bytes, shorter than one "
-                    f"context of seq_len+1={seq_len + 1}; use more data or a smaller seq_len"
+                    f"{name}: {source} ({total:,} bytes) is too short for seq_len={seq_len}: its "
+                    f"{split} split has {len(arr):,} bytes, fewer than one context of "
+                    f"seq_len+1={seq_len + 1}; use more data or a smaller seq_len"
                 )
 
     def info(self) -> dict[str, Any]:
@@ -252,8 +254,14 @@ def stdlib_files() -> tuple[Path, list[Path]]:
 
 
 def assign_files(files: list[Path], *, fraction: float = 0.05) -> dict[str, list[Path]]:
-    """Split files whole: by SHA-1 of the relative path, ``max(1, round(fraction n))`` each to
-    val and test, the rest to train; each split keeps sorted path order. Needs ``n >= 3``."""
+    """Split files whole, by the SHA-1 of their relative paths.
+
+    Files ordered by ``sha1(relative POSIX path)``: the first ``k = max(1, round(fraction n))``
+    go to val, the next ``k`` to test, the rest to train; each split keeps sorted path order.
+    The split is a function of the set of paths only (not of contents or listing order).
+    Needs ``n >= 3``.
+    """
+    files = sorted(files, key=lambda p: p.as_posix())
     n = len(files)
     k = max(1, round(fraction * n))
     by_hash = sorted(files, key=lambda p: hashlib.sha1(p.as_posix().encode()).hexdigest())
@@ -296,29 +304,38 @@ def _concat_cached(
         ranges[split] = (start, pos)
     path = cache / f"{tag}-{h.hexdigest()[:20]}.bin"
     if not (path.is_file() and path.stat().st_size == pos):
-        try:
-            cache.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=cache, prefix=path.name, suffix=".tmp")
-        except OSError as err:
-            raise DataError(
-                f"cannot write the data cache in {cache} ({err.strerror}); set AFTLAB_CACHE_DIR "
-                "to a writable folder"
-            ) from err
-        try:
-            with os.fdopen(fd, "wb") as out:
-                for split in ("train", "val", "test"):
-                    for rel in groups[split]:
-                        with open(root / rel, "rb") as f:
-                            shutil.copyfileobj(f, out, 1 << 20)
-                out.flush()
-                os.fsync(out.fileno())
-            if os.path.getsize(tmp) != pos:
-                raise DataError(f"files under {root} changed while being read; run again")
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        _write_atomic(
+            path,
+            root,
+            [rel for split in ("train", "val", "test") for rel in groups[split]],
+            size=pos,
+        )
     return np.memmap(path, dtype=np.uint8, mode="r"), ranges
+
+
+def _write_atomic(path: Path, root: Path, files: list[Path], *, size: int) -> None:
+    """Write the concatenation of ``files`` to ``path``: temporary file, fsync, rename."""
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        with os.fdopen(fd, "wb") as out:
+            for rel in files:
+                with open(root / rel, "rb") as f:
+                    shutil.copyfileobj(f, out, 1 << 20)
+            out.flush()
+            os.fsync(out.fileno())
+        if os.path.getsize(tmp) != size:
+            raise DataError(f"files under {root} changed while being read; run again")
+        os.replace(tmp, path)
+    except OSError as err:
+        raise DataError(
+            f"cannot write the data cache {path} ({err.strerror or err}); set AFTLAB_CACHE_DIR to "
+            "a writable folder with free space"
+        ) from err
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def _folder_splits(

@@ -1,7 +1,123 @@
-"""AFT-decay (stub: being written; see the issue 'The AFT family')."""
+"""AFT-decay: the RWKV form of AFT (``w_{t,t'} = -(t - 1 - t') * lambda``, bonus ``u`` at ``t' = t``).
+
+Causal only. Elementwise over the channel, with per-channel decay ``lambda >= 0`` and bonus
+``u`` (both ``(d,)``)::
+
+    Y_t = sigma(Q_t) * [sum_{t'<t} exp(-(t-1-t') lambda + K_t') V_t' + exp(u + K_t) V_t]
+                     / [sum_{t'<t} exp(-(t-1-t') lambda + K_t')        + exp(u + K_t)]
+
+The past part is the prefix ``(L_{t-1}, A_{t-1})`` of
+:func:`aftlab.ops.scan.stable_prefix_average` with decay ``lambda`` (``exp(L_{t-1}) A_{t-1}``
+is the numerator's sum over ``t' <= t - 1``), so with ``w_t = sigmoid(u + K_t - L_{t-1})``::
+
+    Y_t = sigma(Q_t) * ((1 - w_t) A_{t-1} + w_t V_t) = sigma(Q_t) * lerp(A_{t-1}, V_t, w_t)
+
+(``w_0 = 1``: the first token only sees itself). Time and memory ``O(B T d)``; stable for any
+finite input, since only sigmoids and the scan's non-positive exponents are evaluated.
+"""
 
 from __future__ import annotations
 
+import torch
 
-def aft_decay(*args, **kwargs):
-    raise NotImplementedError("aft_decay is not implemented yet")
+from .._checks import check_tensor
+from .aft_simple import _check_qkv
+from .scan import _neg, stable_prefix_average
+
+__all__ = ["aft_decay", "aft_decay_reference"]
+
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def _check_decay_bonus(where: str, q: torch.Tensor, decay, bonus) -> None:
+    d = q.shape[-1]
+    for name, t in (("decay", decay), ("bonus", bonus)):
+        check_tensor(where, name, t, shape=(d,), floating=True)
+        if t.device != q.device:
+            raise ValueError(f"{where}: '{name}' is on {t.device} but 'q' is on {q.device}")
+    if d and bool((decay < 0).any() | ~torch.isfinite(decay).all()):
+        raise ValueError(
+            f"{where}: 'decay' must be finite and >= 0 in every channel, "
+            f"got min {decay.min().item():g}"
+        )
+
+
+def aft_decay(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    decay: torch.Tensor,
+    bonus: torch.Tensor,
+    *,
+    padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal AFT with exponential decay (RWKV's WKV), gated by ``sigma(Q)``.
+
+    Args:
+        q: queries ``Q`` (RWKV's receptance), ``(B, T, d)``.
+        k: keys ``K``, ``(B, T, d)``; any finite magnitude.
+        v: values ``V``, ``(B, T, d)``.
+        decay: per-channel ``lambda >= 0``, ``(d,)`` (any float dtype; differentiable).
+        bonus: per-channel bonus ``u`` of the current token, ``(d,)`` (differentiable).
+        padding_mask: bool ``(B, T)``, True for real tokens; padded keys contribute nothing and a
+            position with no valid key (itself included) gets 0.
+
+    Returns:
+        ``Y``, ``(B, T, d)`` in the dtype of ``q`` (float16/bfloat16 are computed in float32).
+
+    Raises:
+        ValueError: a negative or non-finite ``decay``; wrong ranks, shapes or devices.
+        TypeError: non-tensor or non-float inputs, mismatched dtypes of ``q, k, v``.
+    """
+    where = "aft_decay"
+    _check_qkv(where, q, k, v, padding_mask)
+    _check_decay_bonus(where, q, decay, bonus)
+    out_dtype = q.dtype
+    cdt = torch.float32 if out_dtype in _LOW else out_dtype
+    q, k, v = q.to(cdt), k.to(cdt), v.to(cdt)
+    lam, u = decay.to(cdt), bonus.to(cdt)
+    B, T, d = q.shape
+    # (L_t, A_t) over t' <= t with decay lambda; shifted by one they are the past of t.
+    L, A = stable_prefix_average(k, v, decay=lam, padding_mask=padding_mask)
+    L_prev = torch.cat([L.new_full((B, 1, d), float("-inf")), L[:, :-1]], 1)
+    A_prev = torch.cat([A.new_zeros(B, 1, d), A[:, :-1]], 1)
+    # w_t = exp(u + K_t) / (exp(L_{t-1}) + exp(u + K_t)); an empty past (-inf) gives w = 1.
+    w = torch.sigmoid(u + k - L_prev.clamp_min(_neg(cdt)))
+    if padding_mask is not None:
+        w = w.masked_fill(~padding_mask[:, :, None], 0.0)
+    return (torch.sigmoid(q) * torch.lerp(A_prev, v, w)).to(out_dtype)
+
+
+def aft_decay_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    decay: torch.Tensor,
+    bonus: torch.Tensor,
+    *,
+    padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Float64 per-position loop straight from the formula (slow; for tests).
+
+    For each ``t`` the exponents ``z_t' = -(t-1-t') lambda + K_t'`` (``t' < t``) and
+    ``z_t = u + K_t`` over the valid ``t'`` are normalised with their maximum ``M_t``:
+    ``Y_t = sigma(Q_t) * sum exp(z - M_t) V / sum exp(z - M_t)``; 0 if no ``t'`` is valid.
+    Returns float64 ``(B, T, d)``.
+    """
+    q, k, v = q.double(), k.double(), v.double()
+    lam, u = decay.double(), bonus.double()
+    B, T, d = q.shape
+    valid = torch.ones(B, T, dtype=torch.bool) if padding_mask is None else padding_mask.cpu()
+    rows = []
+    for t in range(T):
+        past = -(t - 1 - torch.arange(t, dtype=torch.float64, device=q.device))[:, None] * lam
+        z = torch.cat([k[:, :t] + past, (u + k[:, t])[:, None]], 1)  # (B, t + 1, d)
+        ok = valid[:, : t + 1, None].to(q.device)
+        z = z.masked_fill(~ok, float("-inf"))
+        M = z.amax(1, keepdim=True)
+        M = torch.where(torch.isfinite(M), M, torch.zeros_like(M))
+        e = torch.exp(z - M)
+        num, den = (e * v[:, : t + 1].masked_fill(~ok, 0.0)).sum(1), e.sum(1)
+        avg = torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), 0.0)
+        rows.append(torch.sigmoid(q[:, t]) * avg)
+    return torch.stack(rows, 1) if rows else q.new_zeros(B, 0, d)

@@ -1,7 +1,121 @@
-"""AFT-simple (stub: being written; see the issue 'The AFT family')."""
+"""AFT-simple (Zhai et al. 2021, Sec. 3.2): ``w = 0``, linear in ``T``.
+
+Elementwise over the channel ``c``, for ``Q, K, V`` of shape ``(B, T, d)``::
+
+    Y_t = sigma(Q_t) * sum_t' softmax_t'(K)_t' * V_t'
+        = sigma(Q_t) * sum_t' exp(K_t') V_t' / sum_t' exp(K_t')
+
+Non-causal: one sum over all ``t'`` (a single weighted average per sequence and channel,
+shared by every ``t``), shifted by the per-channel maximum key. Causal: ``t' <= t``, computed
+by :func:`aftlab.ops.scan.stable_prefix_average` (a running log-sum-exp; no maximum over
+future keys). Time and memory ``O(B T d)``.
+"""
 
 from __future__ import annotations
 
+import torch
 
-def aft_simple(*args, **kwargs):
-    raise NotImplementedError("aft_simple is not implemented yet")
+from .._checks import check_compatible, check_tensor
+from .scan import stable_prefix_average
+
+__all__ = ["aft_simple", "aft_simple_reference"]
+
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def _check_qkv(where: str, q, k, v, padding_mask) -> None:
+    """Validate ``q, k, v: (B, T, d)`` (same dtype/device) and ``padding_mask: (B, T)`` bool."""
+    check_tensor(where, "q", q, ndim=3, floating=True)
+    check_tensor(where, "k", k, shape=tuple(q.shape), floating=True)
+    check_tensor(where, "v", v, shape=tuple(q.shape), floating=True)
+    check_compatible(where, {"q": q, "k": k, "v": v})
+    if padding_mask is not None:
+        check_tensor(where, "padding_mask", padding_mask, shape=tuple(q.shape[:2]))
+        if padding_mask.dtype != torch.bool:
+            raise TypeError(
+                f"{where}: 'padding_mask' must be a bool tensor (True = real token), "
+                f"got dtype {padding_mask.dtype}"
+            )
+        if padding_mask.device != q.device:
+            raise ValueError(
+                f"{where}: 'padding_mask' is on {padding_mask.device} but 'q' is on {q.device}"
+            )
+
+
+def aft_simple(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """AFT-simple: ``Y_t = sigma(Q_t) * sum_t' softmax_t'(K)_t' V_t'`` (``t' <= t`` if causal).
+
+    Args:
+        q: queries ``Q``, ``(B, T, d)``.
+        k: keys ``K``, ``(B, T, d)``; any finite magnitude.
+        v: values ``V``, ``(B, T, d)``.
+        causal: restrict the sum to ``t' <= t``.
+        padding_mask: bool ``(B, T)``, True for real tokens; padded keys contribute nothing and a
+            query with no valid key gets 0.
+
+    Returns:
+        ``Y``, ``(B, T, d)`` in the input dtype (float16/bfloat16 are computed in float32).
+
+    Raises:
+        ValueError / TypeError: wrong ranks, shapes, dtypes or devices (naming the argument).
+    """
+    where = "aft_simple"
+    _check_qkv(where, q, k, v, padding_mask)
+    out_dtype = q.dtype
+    if out_dtype in _LOW:
+        q, k, v = q.float(), k.float(), v.float()
+    if causal:
+        # A_t = sum_{t'<=t} exp(K_t' - L_t) V_t', L_t = log sum_{t'<=t} exp(K_t')
+        _, A = stable_prefix_average(k, v, padding_mask=padding_mask)
+    else:
+        if padding_mask is not None:
+            k = k.masked_fill(~padding_mask[:, :, None], float("-inf"))
+        # m_c = max_t' K_t'c (all t' are visible); exp(K - m) <= 1 and the largest term is 1.
+        m = k.detach().amax(1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        e = torch.exp(k - m)  # padded keys: exp(-inf) = 0
+        if padding_mask is not None:
+            v = v.masked_fill(~padding_mask[:, :, None], 0.0)
+        num = (e * v).sum(1, keepdim=True)
+        den = e.sum(1, keepdim=True)
+        # den >= 1 whenever a key is valid; a row without one gets A = 0.
+        A = torch.where(den > 0, num / den.clamp_min(torch.finfo(den.dtype).tiny), 0.0)
+    return (torch.sigmoid(q) * A).to(out_dtype)
+
+
+def aft_simple_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Float64 per-position loop straight from the formula (slow; for tests).
+
+    ``Y_t = sigma(Q_t) * sum_{t' in S_t} exp(K_t' - M_t) V_t' / sum_{t' in S_t} exp(K_t' - M_t)``
+    with ``S_t`` the valid ``t'`` (``<= t`` if causal) and ``M_t = max_{t' in S_t} K_t'``;
+    ``Y_t = 0`` when ``S_t`` is empty. Returns float64 ``(B, T, d)``.
+    """
+    q, k, v = q.double(), k.double(), v.double()
+    B, T, d = q.shape
+    valid = torch.ones(B, T, dtype=torch.bool) if padding_mask is None else padding_mask.cpu()
+    rows = []
+    for t in range(T):
+        hi = t + 1 if causal else T
+        ks, vs, ok = k[:, :hi], v[:, :hi], valid[:, :hi, None].to(q.device)
+        ks = ks.masked_fill(~ok, float("-inf"))
+        M = ks.amax(1, keepdim=True)
+        M = torch.where(torch.isfinite(M), M, torch.zeros_like(M))
+        w = torch.exp(ks - M)
+        num, den = (w * vs.masked_fill(~ok, 0.0)).sum(1), w.sum(1)
+        avg = torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), 0.0)
+        rows.append(torch.sigmoid(q[:, t]) * avg)
+    return torch.stack(rows, 1) if rows else q.new_zeros(B, 0, d)

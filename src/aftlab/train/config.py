@@ -83,7 +83,8 @@ class TrainConfig:
         mixer: registered token mixer (``"attention"``, ``"aft-full"``, ``"aft-local"``, ...).
         mixer_options: keyword options of the mixer (e.g. ``{"window": 32}``).
         model: :class:`~aftlab.models.TransformerConfig` fields other than the derived
-            ``vocab_size``, ``max_seq_len``, ``mixer``, ``mixer_options`` and ``causal``.
+            ``vocab_size``, ``max_seq_len``, ``mixer``, ``mixer_options`` and ``causal``; keys not
+            given take :data:`DEFAULT_MODEL`, then TransformerConfig's defaults.
         batch_size: sequences per optimizer step, over all processes and accumulation steps.
         grad_accum: micro-batches per optimizer step on each process.
         lr: peak learning rate (after warm-up).
@@ -141,6 +142,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         self._check_types()
+        self.model = {**DEFAULT_MODEL, **self.model}  # the [model] table refines the defaults
         for name in ("seq_len", "batch_size", "grad_accum", "steps", "eval_batches", "keep_last",
                      "log_interval"):
             if getattr(self, name) <= 0:
@@ -244,8 +246,6 @@ class TrainConfig:
         for table in ("model", *_FREE_TABLES):
             if table in data and not isinstance(data[table], dict):
                 raise UsageError(f"config: '{table}' must be a table, got {data[table]!r}")
-        if "model" in data:  # the [model] table refines the defaults
-            data["model"] = {**DEFAULT_MODEL, **data["model"]}
         return cls(**data)
 
     def replace(self, **changes: Any) -> TrainConfig:

@@ -16,9 +16,10 @@ def param_groups(model: nn.Module, *, weight_decay: float) -> list[dict]:
     Decayed: weight matrices of linear layers and other parameters with ``dim >= 2`` that are
     not embeddings (projections ``W^Q, W^K, W^V, W^O``, feed-forward ``W_1, W_2``, convolution
     kernels). Not decayed: biases, LayerNorm gains, embedding tables (token and learned position;
-    the token table is also the tied output head) and AFT position biases ``w`` (pairwise biases
-    are a learned prior over positions, not a map of inputs; decaying them pulls AFT-full/local
-    towards AFT-simple).
+    the token table is also the tied output head) and the parameters a token mixer owns directly
+    (AFT position biases ``w`` or their factors ``u, v``, AFT-conv kernels, decay rates): they are
+    a learned prior over positions, not a map of inputs, and decaying them pulls AFT-full/local
+    towards AFT-simple.
 
     Args:
         model: the model; parameters are deduplicated (tied weights appear once).
@@ -27,20 +28,24 @@ def param_groups(model: nn.Module, *, weight_decay: float) -> list[dict]:
     Returns:
         Two AdamW parameter groups, ``[{"params": decayed, ...}, {"params": others, ...}]``.
     """
+    from ..mixers.base import SequenceMixer
+
     no_decay_ids: set[int] = set()
     for module in model.modules():
         if isinstance(module, (nn.Embedding, nn.LayerNorm)):
             no_decay_ids.update(id(p) for p in module.parameters(recurse=False))
+        elif isinstance(module, SequenceMixer):
+            # the mixer's own parameters (AFT position biases w or their factors u, v, conv
+            # kernels, decay rates), wherever they sit; its nn.Linear projections are decayed
+            linear = {id(p) for m in module.modules() if isinstance(m, nn.Linear) for p in m.parameters()}
+            no_decay_ids.update(id(p) for p in module.parameters() if id(p) not in linear)
     decay, other = [], []
     seen: set[int] = set()
-    for name, p in model.named_parameters():
+    for p in model.parameters():
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        leaf = name.rsplit(".", 1)[-1]
-        is_matrix = p.dim() >= 2 and id(p) not in no_decay_ids
-        is_position_bias = leaf in ("w", "pos_bias", "u", "v", "position_bias") or "pos" in leaf
-        (decay if is_matrix and not is_position_bias else other).append(p)
+        (decay if p.dim() >= 2 and id(p) not in no_decay_ids else other).append(p)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": other, "weight_decay": 0.0},

@@ -1,1 +1,136 @@
-"""The aft-local mixer (stub: being written)."""
+"""The ``aft-local`` mixer: AFT-local with the factorised position bias ``w = U V^T``, band only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..._checks import check_positive_int
+from ...ops.aft_full import compute_dtype
+from ...ops.aft_local import aft_local_band, band_geometry
+from ..registry import register_mixer
+from .common import AFTMixer
+from .full import PositionBias, require_max_seq_len
+
+__all__ = ["AFTLocal", "AFTLocalState"]
+
+_BAND_CHUNK = 1 << 22  # elements of one (rows, W, rank) chunk when forming the band of U V^T
+
+
+@dataclass
+class AFTLocalState:
+    """Decoding state of causal AFT-local.
+
+    ``m, num, den`` ``(B, d)``: running max ``m`` of the keys that left the window
+    (``t' <= t - s``) and ``sum exp(K_t' - m) V_t'``, ``sum exp(K_t' - m)`` over them;
+    ``k, v`` ``(B, s, d)``: ring buffer of the last ``s`` keys and values (slot ``t' mod s``).
+    """
+
+    m: torch.Tensor
+    num: torch.Tensor
+    den: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    t: int = 0
+
+
+@register_mixer("aft-local")
+class AFTLocal(AFTMixer):
+    """AFT-local token mixer: AFT-full's formula with ``w_{t,t'}`` kept where ``|t - t'| < window``
+    and 0 elsewhere (global connectivity kept). See :func:`aftlab.ops.aft_local`.
+
+    Args:
+        window: ``s >= 0`` (the paper's best on enwik8: 32). 0 is AFT-simple.
+        bias_rank: ``d'`` of ``w = U V^T``; ``None`` for a full ``T_max x T_max`` bias.
+        **common: see :class:`~aftlab.mixers.SequenceMixer`; ``max_seq_len`` is required.
+
+    Only the band ``(T, 2s - 1)`` of ``w`` is ever formed: ``O(T s d')``. Decoding (causal) keeps
+    running sums of the keys outside the window plus a ring buffer of the last ``s``: ``O(s d)``
+    per token.
+    """
+
+    def __init__(self, *, window: int = 32, bias_rank: int | None = 64, **common) -> None:
+        super().__init__(**common)
+        where = type(self).__name__
+        T_max = require_max_seq_len(where, self.max_seq_len)
+        self.window = check_positive_int(where, "window", window, allow_zero=True)
+        if bias_rank is not None:
+            check_positive_int(where, "bias_rank", bias_rank)
+        self.pos_bias = PositionBias(T_max, bias_rank)
+
+    def band(self, T: int) -> torch.Tensor:
+        """``w_band (T, W)``, ``w_band[t, j] = w[t, t + j - (s - 1)]`` (0 outside ``[0, T)``)."""
+        geo = band_geometry(T, max(self.window, 1), causal=self.causal)
+        pb, dev = self.pos_bias, self.to_v.weight.device
+        cols = torch.arange(T, device=dev)[:, None] + torch.arange(geo.W, device=dev)[None] - geo.beta
+        inside = (cols >= 0) & (cols < T)
+        cols = cols.clamp(0, T - 1)
+        if pb.rank is None:
+            band = pb.w[:T, :T].gather(1, cols)
+        else:
+            rows = max(1, _BAND_CHUNK // (geo.W * pb.rank))
+            band = torch.cat([
+                torch.einsum("tr,twr->tw", pb.u[i : min(T, i + rows)], pb.v[cols[i : i + rows]])
+                for i in range(0, T, rows)
+            ])
+        return band.masked_fill(~inside, 0.0)
+
+    def forward(self, x: torch.Tensor, *, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``x: (B, T, d_model)`` with ``T <= T_max`` -> ``(B, T, d_model)``."""
+        x, padding_mask = self._check_input(x, padding_mask)
+        q, k, v = self.project(x)
+        T = x.shape[1]
+        w_band = self.band(T).to(q.dtype) if self.window > 0 else q.new_zeros(T, 1)
+        y = aft_local_band(q, k, v, w_band, self.window, causal=self.causal, padding_mask=padding_mask)
+        return self.output(y)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", window={self.window}"
+
+    def init_state(self, batch_size: int, *, device=None, dtype=None) -> AFTLocalState:
+        p = self.to_v.weight
+        dev, dt = device or p.device, compute_dtype(dtype or p.dtype)
+        s = min(self.window, self.max_seq_len)
+        z = torch.zeros(batch_size, self.d_model, device=dev, dtype=dt)
+        buf = torch.zeros(batch_size, s, self.d_model, device=dev, dtype=dt)
+        return AFTLocalState(torch.full_like(z, float("-inf")), z, z.clone(), buf, buf.clone())
+
+    def _fold(self, state: AFTLocalState, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Add one key that left the window to the running sums (online log-sum-exp)."""
+        m = torch.maximum(state.m, k)
+        old, new = torch.exp(state.m - m), torch.exp(k - m)
+        state.num = state.num * old + new * v
+        state.den = state.den * old + new
+        state.m = m
+
+    def step(self, x: torch.Tensor, state: AFTLocalState) -> tuple[torch.Tensor, AFTLocalState]:
+        """One token ``x: (B, d_model)`` at position ``t``; ``O(s d)``."""
+        x = self._check_step_input(x)
+        t = state.t
+        if t >= self.max_seq_len:
+            raise ValueError(f"{type(self).__name__}: position {t} exceeds max_seq_len (T_max) = {self.max_seq_len}")
+        q, k, v = self.project(x)
+        cd = state.num.dtype
+        k, v = k.to(cd), v.to(cd)
+        s = state.k.shape[1]
+        if s == 0:
+            self._fold(state, k, v)
+            m, num, den = state.m, state.num, state.den
+        else:
+            slot = t % s
+            if t >= s:  # key t - s leaves the window; its slot takes key t
+                self._fold(state, state.k[:, slot], state.v[:, slot])
+            state.k[:, slot], state.v[:, slot] = k, v
+            pos = torch.arange(t - s + 1, t + 1, device=k.device)  # band keys, oldest first
+            seen = pos >= 0
+            pos = pos.clamp(min=0)
+            w = self.pos_bias.row(t, t + 1).to(cd)[pos].masked_fill(~seen, float("-inf"))
+            sc = state.k[:, pos % s] + w[None, :, None]  # (B, s, d): K_t' + w_{t,t'}
+            m = torch.maximum(sc.amax(1), state.m)  # per-(t, c) max over every key t' <= t
+            e = torch.exp(sc - m[:, None])
+            old = torch.exp(state.m - m)
+            num = (e * state.v[:, pos % s]).sum(1) + state.num * old
+            den = e.sum(1) + state.den * old
+        state.t = t + 1
+        return self.output((torch.sigmoid(q.to(cd)) * num / den).to(q.dtype)), state

@@ -1,0 +1,129 @@
+"""Generation: shapes, determinism, greedy/top-k, streaming, positional limits, pixel sampling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aftlab.models import PixelTransformer, TransformerConfig, TransformerLM
+from aftlab.models.generation import sample_next_token
+
+
+def _lm(**kw) -> TransformerLM:
+    base = dict(vocab_size=31, d_model=16, n_layers=2, n_heads=2, max_seq_len=24)
+    return TransformerLM(TransformerConfig(**{**base, **kw})).eval()
+
+
+def _prompt(B: int = 3, T: int = 4) -> torch.Tensor:
+    return torch.randint(0, 31, (B, T))
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_generate_shape_and_prompt_kept():
+    lm, prompt = _lm(), _prompt()
+    out = lm.generate(prompt, 7)
+    assert out.shape == (3, 11) and out.dtype == torch.long
+    assert torch.equal(out[:, :4], prompt)
+    assert ((out >= 0) & (out < 31)).all()
+    assert torch.equal(lm.generate(prompt, 0), prompt)
+
+
+def test_generate_is_deterministic_with_a_generator():
+    lm, prompt = _lm(), _prompt()
+    a = lm.generate(prompt, 12, generator=_gen(5))
+    b = lm.generate(prompt, 12, generator=_gen(5))
+    c = lm.generate(prompt, 12, generator=_gen(6))
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+
+
+def test_greedy_matches_argmax_of_full_forward():
+    lm, prompt = _lm(), _prompt()
+    out = lm.generate(prompt, 8, temperature=0)
+    seq = prompt
+    for _ in range(8):  # the slow reference: a full forward pass per new token
+        seq = torch.cat([seq, lm(seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, seq)
+
+
+def test_top_k_1_is_greedy():
+    lm, prompt = _lm(), _prompt()
+    greedy = lm.generate(prompt, 8, temperature=0)
+    assert torch.equal(lm.generate(prompt, 8, temperature=1.5, top_k=1, generator=_gen(0)), greedy)
+
+
+def test_stream_generate_yields_the_same_tokens():
+    lm, prompt = _lm(), _prompt()
+    stream = lm.stream_generate(prompt, 5, top_k=4, generator=_gen(3))
+    toks = list(stream)
+    assert len(toks) == 5 and all(t.shape == (3,) for t in toks)
+    out = lm.generate(prompt, 5, top_k=4, generator=_gen(3))
+    assert torch.equal(torch.stack(toks, 1), out[:, 4:])
+
+
+def test_stream_generate_checks_arguments_eagerly():
+    with pytest.raises(ValueError, match="temperature"):
+        _lm().stream_generate(_prompt(), 3, temperature=-1.0)  # no next() needed
+
+
+def test_generate_does_not_track_gradients():
+    lm = _lm()
+    assert not lm.generate(_prompt(), 2).requires_grad
+    assert torch.is_grad_enabled()
+
+
+def test_learned_positions_limit_generation():
+    lm = _lm(max_seq_len=10)
+    assert lm.generate(_prompt(T=4), 6).shape == (3, 10)  # exactly fills the table
+    with pytest.raises(ValueError, match=r"4 \+ max_new_tokens 7 = 11 exceeds max_seq_len = 10"):
+        lm.generate(_prompt(T=4), 7)
+    cache = lm.init_cache(1)
+    for _ in range(10):
+        lm.step(torch.tensor([1]), cache)
+    with pytest.raises(ValueError, match=r"position 10 .* max_seq_len = 10"):
+        lm.step(torch.tensor([1]), cache)
+
+
+@pytest.mark.parametrize("positional", ["sinusoidal", "rotary", "none"])
+def test_unbounded_positions_can_generate_past_max_seq_len(positional):
+    lm = _lm(max_seq_len=8, positional=positional)
+    assert lm.generate(_prompt(T=4), 9, temperature=0).shape == (3, 13)
+
+
+def test_sample_next_token_top_k_support():
+    logits = torch.randn(4, 50)
+    top3 = logits.topk(3, dim=-1).indices
+    g = _gen(0)
+    for _ in range(30):
+        tok = sample_next_token(logits, temperature=2.0, top_k=3, generator=g)
+        assert (tok[:, None] == top3).any(-1).all()
+    assert torch.equal(sample_next_token(logits, temperature=0), logits.argmax(-1))
+
+
+def test_sample_next_token_temperature_sharpens():
+    logits = torch.tensor([[0.0, 1.0, 2.0]]).expand(4000, 3)
+    g = _gen(1)
+    cold = sample_next_token(logits, temperature=0.25, generator=g)
+    hot = sample_next_token(logits, temperature=4.0, generator=g)
+    assert (cold == 2).float().mean() > 0.9  # p = e^8 / (1 + e^4 + e^8) = 0.98
+    assert 0.3 < (hot == 2).float().mean() < 0.5  # p = 0.42
+
+
+def test_pixel_sampling():
+    cfg = TransformerConfig(vocab_size=17, d_model=16, n_layers=2, n_heads=2, max_seq_len=16)
+    model = PixelTransformer(cfg, image_shape=(4, 4)).eval()
+    a = model.sample(3, generator=_gen(2))
+    assert a.shape == (3, 16) and ((a >= 0) & (a < 17)).all()
+    assert torch.equal(a, model.sample(3, generator=_gen(2)))
+    prefix = torch.randint(0, 17, (3, 5))
+    b = model.sample(3, prefix=prefix, generator=_gen(2))
+    assert torch.equal(b[:, :5], prefix)
+    greedy = model.sample(2, temperature=0)
+    seq = greedy[:, :0]
+    for t in range(16):  # reference: full forward per pixel
+        nxt = model(torch.cat([seq, torch.zeros(2, 1, dtype=torch.long)], 1))[:, t].argmax(-1)
+        seq = torch.cat([seq, nxt[:, None]], 1)
+    assert torch.equal(greedy, seq)
