@@ -207,3 +207,15 @@ def test_float32_sdpa_close_to_float64_reference():
     fast, ref = _pair(True, n_heads=3)
     x = torch.randn(2, 9, D, dtype=torch.float64)
     assert_close("y float32", fast.float()(x.float()), ref(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_close_to_float64_reference(dtype):
+    fast, ref = _pair(True, n_heads=3)
+    x = torch.randn(2, 9, D, dtype=torch.float64)
+    mask = _mask(2, 9)
+    expected = ref(x, padding_mask=mask)
+    for m in (fast, ref):
+        y = m.to(dtype)(x.to(dtype), padding_mask=mask)
+        assert y.dtype == dtype
+        assert_close(f"{m.name} {dtype}", y, expected, atol=3e-2, rtol=3e-2)

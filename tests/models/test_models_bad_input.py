@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from aftlab.mixers import build_mixer
-from aftlab.models import PixelTransformer, TransformerClassifier, TransformerConfig, TransformerLM
+from aftlab.models import (
+    PixelTransformer,
+    TransformerBlock,
+    TransformerClassifier,
+    TransformerConfig,
+    TransformerLM,
+)
 
 
 def _cfg(**kw) -> TransformerConfig:
@@ -75,6 +81,16 @@ def test_unknown_mixer():
 
 
 # ----------------------------------------------------------------------------- models
+def test_block_x_wrong_width():
+    block = TransformerBlock(_cfg())
+    with pytest.raises(
+        ValueError, match=r"TransformerBlock: 'x' must have shape \(\*, \*, 12\), got \(2, 3, 10\)"
+    ):
+        block(torch.randn(2, 3, 10))
+    with pytest.raises(ValueError, match=r"'x' must have shape \(\*, 12\), got \(2, 10\)"):
+        block.step(torch.randn(2, 10), None)
+
+
 def test_tokens_wrong_rank(lm):
     with pytest.raises(
         ValueError, match=r"'idx' must have shape \(B, T\) of token ids, got \(2, 3, 4\)"

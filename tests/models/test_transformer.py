@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from aftlab.functional import seed_attention, seed_feedforward
 from aftlab.mixers import SequenceMixer, available_mixers, build_mixer, register_mixer
 from aftlab.mixers import registry as _registry
 from aftlab.models import (
@@ -216,7 +217,8 @@ def test_pre_and_post_ln_both_learn(norm):
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    assert losses[-1] < 0.3 * losses[0], (norm, losses[0], losses[-1])
+    # tokens are uniform, so without using the context the loss stays at log(23) = 3.14
+    assert losses[-1] < 0.5 * math.log(23), (norm, losses[0], losses[-1])
 
 
 def test_post_ln_output_is_normalised():
@@ -348,3 +350,38 @@ def test_bits_per_dim_formula():
     px = torch.randint(0, 17, (3, 16))
     logp = model(px).log_softmax(-1).gather(-1, px[..., None])[..., 0]
     assert_close("bits/dim", model.bits_per_dim(px), -logp.mean(1) / math.log(2))
+
+
+# ----------------------------------------------------------------------------- the definition
+def test_switches_off_give_the_definitions_block():
+    """Unscaled, no norm, no positions, ReLU, no attention biases: Block = FF o Attention."""
+    H, m, d, r = 2, 3, 8, 10
+    cfg = _cfg(
+        d_model=d,
+        n_heads=H,
+        head_dim=m,
+        d_ff=r,
+        scaled=False,
+        norm="none",
+        activation="relu",
+        causal=False,
+        positional="none",
+        final_norm=False,
+    )
+    block = TransformerBlock(cfg).double().eval()
+    attn = block.mixer
+    with torch.no_grad():
+        attn.qkv.bias.zero_()
+        attn.out_proj.bias.zero_()
+    w_q, w_k, w_v = (w.view(H, m, d) for w in attn.qkv.weight.chunk(3, dim=0))
+    w_o = attn.out_proj.weight.view(d, H, m).permute(1, 0, 2)  # (H, d, m)
+    ff = block.ff
+    x = torch.randn(2, 5, d, dtype=torch.float64)
+    expected = seed_feedforward(
+        seed_attention(x, w_q, w_k, w_v, w_o),
+        ff.fc1.weight,
+        ff.fc1.bias,
+        ff.fc2.weight,
+        ff.fc2.bias,
+    )
+    assert_close("block vs definition", block(x), expected)

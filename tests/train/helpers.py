@@ -9,17 +9,55 @@ from pathlib import Path
 
 #: A model and budget small enough that a run takes about a second.
 TINY = [
-    "--set", "model.d_model=16", "--set", "model.n_layers=1", "--set", "model.n_heads=2",
-    "--set", "seq_len=16", "--set", "batch_size=4", "--set", "warmup=2",
-    "--set", "eval_interval=0", "--set", "eval_batches=2", "--set", "test_batches=2",
-    "--set", "sample_tokens=8", "--set", "log_interval=1", "--set", "device='cpu'",
+    "--set",
+    "model.d_model=16",
+    "--set",
+    "model.n_layers=1",
+    "--set",
+    "model.n_heads=2",
+    "--set",
+    "seq_len=16",
+    "--set",
+    "batch_size=4",
+    "--set",
+    "warmup=2",
+    "--set",
+    "eval_interval=0",
+    "--set",
+    "eval_batches=2",
+    "--set",
+    "test_batches=2",
+    "--set",
+    "sample_tokens=8",
+    "--set",
+    "log_interval=1",
+    "--set",
+    "device='cpu'",
 ]
 
 
 def write_text(path: Path, n_bytes: int = 12_000) -> Path:
     """A deterministic English-like UTF-8 text file of about ``n_bytes`` bytes."""
-    words = ["the", "model", "mixes", "tokens", "with", "weights", "über", "attention", "free", "λ",
-             "def", "return", "(x)", "and", "a", "sum", "of", "keys"]
+    words = [
+        "the",
+        "model",
+        "mixes",
+        "tokens",
+        "with",
+        "weights",
+        "über",
+        "attention",
+        "free",
+        "λ",
+        "def",
+        "return",
+        "(x)",
+        "and",
+        "a",
+        "sum",
+        "of",
+        "keys",
+    ]
     out, i = [], 0
     while sum(len(w) + 1 for w in out) < n_bytes:
         out.append(words[(i * 7 + i // 3) % len(words)])
@@ -30,8 +68,20 @@ def write_text(path: Path, n_bytes: int = 12_000) -> Path:
     return path
 
 
-def run_aftlab(*args: str, cwd: Path, timeout: float = 120, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+#: Environment of the subprocesses: one thread each, so that runs are bitwise reproducible.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def run_aftlab(
+    *args: str, cwd: Path, timeout: float = 120, env_extra: dict | None = None
+) -> subprocess.CompletedProcess:
     """Run ``python -m aftlab ARGS`` in a subprocess and return its completed process."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "aftlab", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    env = {**ENV, **(env_extra or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "aftlab", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )

@@ -25,9 +25,14 @@ class Tied(torch.nn.Module):
 
 def _save(run, step, model, keep_last=2):
     opt = torch.optim.AdamW(model.parameters())
-    return save_checkpoint(run, step=step, model=model, config={"train": {"x": step}},
-                           train_state={"step": step, "optimizer": opt.state_dict(), "rng": rng_state()},
-                           keep_last=keep_last)
+    return save_checkpoint(
+        run,
+        step=step,
+        model=model,
+        config={"train": {"x": step}},
+        train_state={"step": step, "optimizer": opt.state_dict(), "rng": rng_state()},
+        keep_last=keep_last,
+    )
 
 
 def test_round_trip_with_tied_weights_and_keep_last(tmp_path):
@@ -38,7 +43,11 @@ def test_round_trip_with_tied_weights_and_keep_last(tmp_path):
     assert [s for s, _ in list_checkpoints(tmp_path)] == [2, 3]  # keep_last=2
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
     manifest = verify_checkpoint(path)
-    assert manifest["step"] == 3 and set(manifest["files"]) == {"model.safetensors", "config.json", "train_state.pt"}
+    assert manifest["step"] == 3 and set(manifest["files"]) == {
+        "model.safetensors",
+        "config.json",
+        "train_state.pt",
+    }
     other = Tied()
     state = load_checkpoint(path, other)
     assert state["step"] == 3

@@ -5,7 +5,9 @@ from aftlab.train.errors import UsageError
 
 
 def test_defaults_are_valid_and_round_trip_through_dict_and_toml(tmp_path):
-    cfg = TrainConfig(mixer="aft-local", mixer_options={"window": 8}, model={"d_model": 64, "n_heads": 2})
+    cfg = TrainConfig(
+        mixer="aft-local", mixer_options={"window": 8}, model={"d_model": 64, "n_heads": 2}
+    )
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg
     path = tmp_path / "c.toml"
     path.write_text(to_toml(cfg))
@@ -14,9 +16,20 @@ def test_defaults_are_valid_and_round_trip_through_dict_and_toml(tmp_path):
 
 def test_toml_file_tables_and_overrides(tmp_path):
     path = tmp_path / "c.toml"
-    path.write_text('task = "digits"\nlr = 1\nbetas = [0.8, 0.99]\n[model]\nd_model = 32\n[mixer_options]\nwindow = 4\n')
-    cfg = load_config(path, ["model.n_layers=2", "mixer=aft-local", "lr=3e-4", "mixer_options.window=6",
-                             "compile=true", 'out="runs/x"'])
+    path.write_text(
+        'task = "digits"\nlr = 1\nbetas = [0.8, 0.99]\n[model]\nd_model = 32\n[mixer_options]\nwindow = 4\n'
+    )
+    cfg = load_config(
+        path,
+        [
+            "model.n_layers=2",
+            "mixer=aft-local",
+            "lr=3e-4",
+            "mixer_options.window=6",
+            "compile=true",
+            'out="runs/x"',
+        ],
+    )
     assert cfg.task == "digits" and cfg.mixer == "aft-local" and cfg.compile is True
     assert cfg.model["d_model"] == 32 and cfg.model["n_layers"] == 2 and cfg.model["n_heads"] == 4
     assert cfg.lr == 3e-4 and isinstance(cfg.lr, float)
@@ -80,7 +93,9 @@ def test_missing_and_malformed_config_files(tmp_path):
 
 
 def test_transformer_config_takes_task_sizes():
-    cfg = TrainConfig(mixer="aft-conv", seq_len=32, model={"d_model": 16, "n_heads": 2, "n_layers": 1})
+    cfg = TrainConfig(
+        mixer="aft-conv", seq_len=32, model={"d_model": 16, "n_heads": 2, "n_layers": 1}
+    )
     tc = cfg.transformer_config(vocab_size=10, causal=False, grid=(4, 8))
     assert (tc.vocab_size, tc.max_seq_len, tc.causal, tc.mixer) == (10, 32, False, "aft-conv")
     assert tc.mixer_options == {"grid": (4, 8)} and tc.d_model == 16

@@ -8,7 +8,9 @@ from aftlab.train.optim import build_optimizer, lr_at, param_groups
 
 
 def test_weight_decay_on_matrices_only():
-    cfg = TransformerConfig(vocab_size=20, d_model=8, n_layers=1, n_heads=2, max_seq_len=6, mixer="aft-full")
+    cfg = TransformerConfig(
+        vocab_size=20, d_model=8, n_layers=1, n_heads=2, max_seq_len=6, mixer="aft-full"
+    )
     model = TransformerLM(cfg)
     decay, other = param_groups(model, weight_decay=0.1)
     assert decay["weight_decay"] == 0.1 and other["weight_decay"] == 0.0

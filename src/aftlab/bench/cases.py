@@ -22,7 +22,7 @@ mixer          computation                                                  lear
 attention-sdpa ``scaled_dot_product_attention(q, k, v)``, q, k, v (B,h,T,c)  --
 attention-naive ``softmax(q k^T / sqrt(c) [+ causal mask]) v`` by einsum      --
 aft-full       ``aft_full(q, k, v, w)``, w (T, T)                            w
-aft-local      ``aft_local(q, k, v, w, 32)``, w (T, T)                       w
+aft-local      ``aft_local_band(q, k, v, w_band, 32)``, w_band (T, 2s-1|s)  w_band
 aft-simple     ``aft_simple(q, k, v)``                                       --
 aft-conv       ``aft_conv(q, k, v, w)``, q, v (B,T,h,c), k (B,T,h,1), w (h,31) w
 aft-decay      ``aft_decay(q, k, v, decay, bonus)`` (causal only), (d,) each  decay, bonus
@@ -253,8 +253,8 @@ def _local_bytes(mode: str, s: Shape, causal: bool) -> float:
 
 def _local_mem(mode: str, s: Shape, causal: bool) -> float:
     n = s.B * s.T * s.d * s.esize
-    ww = s.T * s.T * s.esize  # dw has the shape of w
-    return (2 * ww + 12 * n if mode == "forward" else 3 * ww + 24 * n) + 64 * 2**20
+    band = s.B * s.T * s.d * _band(s, causal, AFT_LOCAL_WINDOW) * s.esize  # if it unfolds the band
+    return (band + 12 * n if mode == "forward" else 2 * band + 24 * n) + 64 * 2**20
 
 
 def _simple_flops(mode: str, s: Shape, causal: bool) -> float:
@@ -329,15 +329,33 @@ def _full_ref(x: Inputs, causal: bool) -> torch.Tensor:
     )
 
 
+def _local_inputs(s: Shape, causal, dtype, device, gen) -> Inputs:
+    x = _qkv_inputs(s, causal, dtype, device, gen)
+    x["w_band"] = _randn((s.T, _band(s, causal, AFT_LOCAL_WINDOW)), dtype, device, gen, scale=0.5)
+    return x
+
+
 def _local_op(x: Inputs, causal: bool) -> torch.Tensor:
-    return _lazy_op(_F, "aft_local")(
-        x["q"], x["k"], x["v"], x["w"], AFT_LOCAL_WINDOW, causal=causal
-    )
+    """The band form the mixer uses: ``w_band[t, j] = w_{t, t + j - (s - 1)}``, no ``T x T``."""
+    fn = _lazy_op("aftlab.ops.aft_local", "aft_local_band")
+    return fn(x["q"], x["k"], x["v"], x["w_band"], AFT_LOCAL_WINDOW, causal=causal)
+
+
+def _band_to_full(w_band: torch.Tensor, T: int) -> torch.Tensor:
+    """Scatter ``w_band (T, W)`` into a ``(T, T)`` bias (0 elsewhere), differentiably."""
+    s = min(AFT_LOCAL_WINDOW, T)
+    t = torch.arange(T)[:, None]
+    cols = t + torch.arange(w_band.shape[1])[None, :] - (s - 1)
+    inside = (cols >= 0) & (cols < T)
+    rows = t.expand_as(cols)
+    full = w_band.new_zeros(T, T)
+    return full.index_put((rows[inside], cols[inside]), w_band[inside])
 
 
 def _local_ref(x: Inputs, causal: bool) -> torch.Tensor:
     fn = _lazy_op("aftlab.ops.aft_local", "aft_local_reference")
-    return fn(x["q"], x["k"], x["v"], x["w"], AFT_LOCAL_WINDOW, causal=causal)
+    w = _band_to_full(x["w_band"], x["q"].shape[1])
+    return fn(x["q"], x["k"], x["v"], w, AFT_LOCAL_WINDOW, causal=causal)
 
 
 def _simple_op(x: Inputs, causal: bool) -> torch.Tensor:
@@ -450,7 +468,7 @@ CASES: dict[str, OpCase] = {
         ),
         OpCase(
             "aft-local",
-            _w_inputs,
+            _local_inputs,
             _local_op,
             _local_ref,
             _local_flops,
@@ -458,7 +476,7 @@ CASES: dict[str, OpCase] = {
             _local_mem,
             mixer="aft-local",
             mixer_options={"window": AFT_LOCAL_WINDOW},
-            description=f"aftlab.functional.aft_local, window s={AFT_LOCAL_WINDOW}",
+            description=f"aftlab.ops.aft_local.aft_local_band, window s={AFT_LOCAL_WINDOW}",
         ),
         OpCase(
             "aft-simple",

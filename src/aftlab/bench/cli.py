@@ -99,6 +99,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="add aft-pytorch's AFTFull and AFTSimple beside ours (needs the package)",
     )
     parser.add_argument(
+        "--compare-lengths",
+        default=None,
+        help="lengths of the aft-pytorch comparison (default: the lengths up to 4096)",
+    )
+    parser.add_argument(
         "--seed", type=int, default=0, help="seed of the inputs (default: %(default)s)"
     )
     parser.add_argument(
@@ -129,6 +134,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         max_memory_gb=args.max_memory_gb,
         isolate=False if args.no_isolate else None,
         compare_aft_pytorch=args.compare_aft_pytorch,
+        compare_lengths=None
+        if args.compare_lengths is None
+        else _int_list("compare-lengths", args.compare_lengths),
         seed=args.seed,
         out=args.out,
     )

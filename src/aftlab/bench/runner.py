@@ -61,6 +61,8 @@ class BenchConfig:
             available memory (CPU) or of the free GPU memory.
         isolate: run each CPU case in a fresh process (default on CPU).
         compare_aft_pytorch: add the module-level comparison with the ``aft-pytorch`` package.
+        compare_lengths: lengths of that comparison; default: ``lengths`` up to 4096 (its
+            AFTFull materialises ``exp(w)``, ``T x T``, twice per call).
         limits_size: ``"full"`` or ``"tiny"`` (tests) for the machine-limit measurements.
         seed: seed of the random inputs.
         out: output directory, or None to write nothing.
@@ -84,6 +86,7 @@ class BenchConfig:
     max_memory_gb: float | None = None
     isolate: bool | None = None
     compare_aft_pytorch: bool = False
+    compare_lengths: list[int] | None = None
     limits_size: str = "full"
     seed: int = 0
     out: str | os.PathLike | None = None
@@ -102,6 +105,7 @@ class BenchConfig:
         for opt, vals in (
             ("lengths", self.lengths),
             ("decode-positions", self.decode_positions or [1]),
+            ("compare-lengths", self.compare_lengths or [1]),
         ):
             if not vals or any(
                 isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in vals
@@ -411,7 +415,7 @@ def _run_compare(cfg, threads, isolate, esize, limits, say) -> list[dict]:
         impl, variant = name.split(":")[1:]
         given_up = ""
         for mode in [m for m in cfg.modes if m != "decode"]:
-            for T in sorted(cfg.lengths):
+            for T in sorted(cfg.compare_lengths or [t for t in cfg.lengths if t <= 4096]):
                 s = Shape(cfg.batch, T, cfg.dim, 1, esize)
                 row = {
                     "impl": impl,

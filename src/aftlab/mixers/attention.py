@@ -334,5 +334,7 @@ class NaiveMultiHeadAttention(MultiHeadAttention):
             allowed = tril if allowed is None else allowed & tril
         if allowed is not None:
             scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = scores.softmax(dim=-1)  # each row sums to 1 over allowed keys
+        # each row sums to 1 over allowed keys; fp16/bf16 reduce in fp32
+        probs = scores.softmax(dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
+        probs = probs.to(v.dtype)
         return torch.einsum("bhts,bhsm->bhtm", probs, v)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._checks import check_tensor
 from ..mixers import MixerState, SequenceMixer, build_mixer, get_mixer_class
 from .config import TransformerConfig
 
@@ -111,7 +112,7 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
-        d = config.d_model
+        d = self.d_model = config.d_model
         self.norm = config.norm
         self.mixer: SequenceMixer = build_mixer(
             config.mixer,
@@ -148,10 +149,12 @@ class TransformerBlock(nn.Module):
         return h + self.ff(self.norm2(h))
 
     def forward(self, x: torch.Tensor, *, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        check_tensor("TransformerBlock", "x", x, shape=(None, None, self.d_model), floating=True)
         return self._residual(x, lambda u: self.mixer(u, padding_mask=padding_mask))
 
     def step(self, x: torch.Tensor, state: MixerState) -> tuple[torch.Tensor, MixerState]:
         """One decoding step of the block; norms and feed-forward act per token."""
+        check_tensor("TransformerBlock.step", "x", x, shape=(None, self.d_model), floating=True)
         out: list[MixerState] = []
 
         def mix(u: torch.Tensor) -> torch.Tensor:

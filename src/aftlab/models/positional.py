@@ -33,8 +33,10 @@ def sinusoidal_positions(
         ``(T, d)`` tensor.
 
     Example:
-        >>> sinusoidal_positions(3, 4)[1, 0].item() == __import__("math").sin(1.0)
-        True
+        >>> import math, torch
+        >>> pe = sinusoidal_positions(3, 4, dtype=torch.float64)
+        >>> pe[1, 0].item() == math.sin(1.0), pe[1, 3].item() == math.cos(1.0 / 100.0)
+        (True, True)
     """
     p = torch.arange(offset, offset + length, device=device, dtype=torch.float64)
     two_i = torch.arange(0, d_model, 2, device=device, dtype=torch.float64)

@@ -422,9 +422,10 @@ class TransformerLM(nn.Module):
         heads is not in the shapes, so pass ``n_heads`` (``GPT2Config.n_head``) or a ``config``.
 
         Example:
-            >>> from transformers import GPT2Config, GPT2LMHeadModel   # doctest: +SKIP
-            >>> hf = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=100))
-            >>> lm = TransformerLM.from_gpt2_state_dict(hf.state_dict(), n_heads=2)
+            >>> from transformers import GPT2Config, GPT2LMHeadModel  # doctest: +SKIP
+            >>> hf = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32))  # doctest: +SKIP
+            >>> sd = hf.state_dict()  # doctest: +SKIP
+            >>> lm = TransformerLM.from_gpt2_state_dict(sd, n_heads=2)  # doctest: +SKIP
 
         Raises:
             ValueError: ``n_heads`` missing or not dividing ``n_embd``; a missing, unexpected or

@@ -446,12 +446,15 @@ def _biased_average_reference(q, k, v, bias, allowed):
     """
     q, k, v, bias = (x.double() for x in (q, k, v, bias))
     rows = []
-    for t in range(q.shape[1]):
+    # unbind (not bias[:, t]) so that autograd does not build a (h, N, N) gradient per row
+    for t, (q_t, bias_t) in enumerate(zip(q.unbind(1), bias.unbind(1))):
         ok = allowed[:, t][:, :, None, None]  # (B, N, 1, 1)
-        logits = (k + bias[:, t].T[None, :, :, None]).masked_fill(~ok, _NEG_INF)
+        logits = (k + bias_t.T[None, :, :, None]).masked_fill(~ok, _NEG_INF)
         has = ok.any(1, keepdim=True)
-        p = torch.softmax(torch.where(has, logits, torch.zeros_like(logits)), dim=1) * has
-        rows.append(torch.sigmoid(q[:, t]) * (p * v).sum(1))
+        logits = torch.where(has, logits, torch.zeros_like(logits))
+        e = torch.exp(logits - logits.amax(1, keepdim=True).detach())  # softmax over t'
+        p = e / e.sum(1, keepdim=True) * has
+        rows.append(torch.sigmoid(q_t) * (p * v).sum(1))
     return torch.stack(rows, 1)
 
 

@@ -1,4 +1,4 @@
-"""AFT-decay: the RWKV form of AFT (``w_{t,t'} = -(t - 1 - t') * lambda``, bonus ``u`` at ``t' = t``).
+"""AFT-decay, the RWKV form of AFT: ``w_{t,t'} = -(t - 1 - t') lambda``, bonus ``u`` at ``t' = t``.
 
 Causal only. Elementwise over the channel, with per-channel decay ``lambda >= 0`` and bonus
 ``u`` (both ``(d,)``)::

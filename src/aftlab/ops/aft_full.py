@@ -174,14 +174,15 @@ def _rescue_backward(k, v, pad, wb, geo, rows, A, gA, gL, dk, dv, dwb):
         e = torch.exp(s - m)
         den = e.sum(1, keepdim=True)
         p = e / torch.where(den > 0, den, 1.0)  # P_{t,t',c}, 0 at unseen keys
-        ga, gl, a = gA[b, t].double()[:, None], gL[b, t].double()[:, None], A[b, t].double()[:, None]
+        ga, gl = gA[b, t].double()[:, None], gL[b, t].double()[:, None]
+        a = A[b, t].double()[:, None]
         vr = v[b[:, None], kpos].double()
         g = p * (ga * (vr - a) + gl)  # d(loss)/d(K_t' + w_{t,t'}) per channel
         bb = b[:, None].expand_as(kpos)
         dk.index_put_((bb, kpos), g.to(dk.dtype), accumulate=True)
         dv.index_put_((bb, kpos), (p * ga).to(dv.dtype), accumulate=True)
-        dwb.index_put_((t[:, None].expand_as(kpos), j[None].expand_as(kpos)), g.sum(-1).to(dwb.dtype),
-                       accumulate=True)
+        tt, jj = t[:, None].expand_as(kpos), j[None].expand_as(kpos)
+        dwb.index_put_((tt, jj), g.sum(-1).to(dwb.dtype), accumulate=True)
 
 
 # ----------------------------------------------------------------------------- autograd op
@@ -233,7 +234,8 @@ class _LSEAverage(torch.autograd.Function):
                 vb = v[:, lo:hi]
                 dv[:, lo:hi] += ek * yr
                 dk[:, lo:hi] += ek * (vb * yr - ys)
-                left = torch.cat([R[:, i0:i1], -S[:, i0:i1]], -1).transpose(0, 1).reshape(i1 - i0, -1)
+                left = torch.cat([R[:, i0:i1], -S[:, i0:i1]], -1)
+                left = left.transpose(0, 1).reshape(i1 - i0, -1)  # (nq, B * 2d)
                 right = torch.cat([ek * vb, ek], -1).transpose(0, 1).reshape(hi - lo, -1)
                 dbias = ew * (left @ right.t())
                 if col is None:
@@ -281,10 +283,11 @@ def check_aft_inputs(where, q, k, v, w, padding_mask):
     B, T, d = q.shape
     check_tensor(where, "k", k, ndim=3, floating=True)
     check_tensor(where, "v", v, ndim=3, floating=True)
-    if k.shape != q.shape:
-        raise ValueError(f"{where}: 'k' must have shape {tuple(q.shape)} like 'q', got {tuple(k.shape)}")
-    if v.shape != q.shape:
-        raise ValueError(f"{where}: 'v' must have shape {tuple(q.shape)} like 'q', got {tuple(v.shape)}")
+    for name, x in (("k", k), ("v", v)):
+        if x.shape != q.shape:
+            raise ValueError(
+                f"{where}: '{name}' must have shape {tuple(q.shape)} like 'q', got {tuple(x.shape)}"
+            )
     check_tensor(where, "w", w, ndim=2, floating=True)
     if w.shape[0] < T or w.shape[1] < T:
         raise ValueError(
@@ -296,7 +299,8 @@ def check_aft_inputs(where, q, k, v, w, padding_mask):
         check_tensor(where, "padding_mask", padding_mask, shape=(B, T))
         if padding_mask.dtype != torch.bool:
             raise TypeError(
-                f"{where}: 'padding_mask' must be a bool tensor (True = real token), got {padding_mask.dtype}"
+                f"{where}: 'padding_mask' must be a bool tensor (True = real token), "
+                f"got {padding_mask.dtype}"
             )
         if padding_mask.device != q.device:
             raise ValueError(
@@ -313,7 +317,9 @@ def aft_full(
     causal: bool = False,
     padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """AFT-full: ``Y_t = sigma(Q_t) * sum_t' exp(K_t' + w_{t,t'}) V_t' / sum_t' exp(K_t' + w_{t,t'})``.
+    """AFT-full (causal: ``t' <= t``)::
+
+        Y_t = sigma(Q_t) * sum_t' exp(K_t' + w_{t,t'}) V_t' / sum_t' exp(K_t' + w_{t,t'})
 
     Elementwise over channels; ``w`` is shared by the channels. Exact for any finite input
     (see the module docstring for the method), ``O(B T^2 d)`` time in two matrix products
@@ -352,7 +358,9 @@ def biased_average_reference(
     causal: bool = False,
     padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Float64 per-position loop: ``Y_t = sigma(Q_t) * sum_t' exp(K_t' + b_{t,t'}) V_t' / sum_t' exp(...)``.
+    """Float64 loop over query positions, straight from the formula::
+
+        Y_t = sigma(Q_t) * sum_t' exp(K_t' + b_{t,t'}) V_t' / sum_t' exp(K_t' + b_{t,t'})
 
     ``bias`` is ``(T, T)``. Each row is shifted by its own maximum over the keys it sees
     (which leaves the ratio unchanged); a row with no valid key gives 0.

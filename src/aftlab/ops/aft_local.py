@@ -29,7 +29,13 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_positive_int, check_tensor
-from .aft_full import Geometry, biased_average_reference, check_aft_inputs, compute_dtype, lse_average
+from .aft_full import (
+    Geometry,
+    biased_average_reference,
+    check_aft_inputs,
+    compute_dtype,
+    lse_average,
+)
 from .scan import stable_prefix_average
 
 __all__ = ["aft_local", "aft_local_band", "aft_local_reference", "band_geometry", "band_of"]
@@ -45,7 +51,7 @@ def band_geometry(T: int, window: int, *, causal: bool) -> Geometry:
 
 
 def band_of(w: torch.Tensor, T: int, window: int, *, causal: bool = False) -> torch.Tensor:
-    """Gather ``w_band (T, W)`` with ``w_band[t, j] = w[t, t + j - (s - 1)]`` from a ``(T', T')`` ``w``.
+    """Gather ``w_band (T, W)``, ``w_band[t, j] = w[t, t + j - (s - 1)]``, from ``w (T', T')``.
 
     Entries whose key falls outside ``[0, T)`` are filled with 0 (never used).
     """
@@ -135,7 +141,9 @@ def aft_local(
     causal: bool = False,
     padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """AFT-local: ``Y_t = sigma(Q_t) * sum_t' exp(K_t' + w'_{t,t'}) V_t' / sum_t' exp(K_t' + w'_{t,t'})``.
+    """AFT-local (causal: ``t' <= t``)::
+
+        Y_t = sigma(Q_t) * sum_t' exp(K_t' + w'_{t,t'}) V_t' / sum_t' exp(K_t' + w'_{t,t'})
 
     ``w'_{t,t'} = w_{t,t'}`` if ``|t - t'| < window`` else 0 (global connectivity kept).
     ``window = 0`` is AFT-simple, ``window >= T`` is AFT-full. Exact and stable for any finite

@@ -23,7 +23,8 @@ position at a time but vectorised across all chunks; the chunk summaries
 ``(L_end, A_end)`` form the same problem again with decay ``C * lambda`` (solved recursively);
 each chunk then merges its carry ``(L_c, A_c)`` (the previous chunk's end) with
 
-    L_t = logaddexp(L_c - (j + 1) lambda, l_t),   A_t = lerp(a_t, A_c, exp(L_c - (j + 1) lambda - L_t))
+    L_t = logaddexp(L_c - (j + 1) lambda, l_t)
+    A_t = lerp(a_t, A_c, exp(L_c - (j + 1) lambda - L_t))
 
 for the position ``j`` inside the chunk and the chunk-local ``(l_t, a_t)``. Only exponents of
 non-positive numbers are taken, no maximum over positions an output must not see is used, and
@@ -58,7 +59,8 @@ def stable_prefix_average_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sequential recurrence (slow, obvious). Shapes: k, v ``(B, T, d)``; returns ``(L, A)``.
 
-    L_t = logaddexp(L_{t-1} - lambda, k_t);  A_t = exp(L_{t-1} - lambda - L_t) A_{t-1} + exp(k_t - L_t) v_t
+    L_t = logaddexp(L_{t-1} - lambda, k_t)
+    A_t = exp(L_{t-1} - lambda - L_t) A_{t-1} + exp(k_t - L_t) v_t
     """
     B, T, d = k.shape
     if reverse:
@@ -81,7 +83,10 @@ def stable_prefix_average_reference(
             empty, neg_inf, torch.logaddexp(carried.masked_fill(empty, 0), kt.masked_fill(empty, 0))
         )
         safe = torch.where(torch.isfinite(l_t), l_t, torch.zeros_like(l_t))
-        a_t = torch.exp(carried - safe).nan_to_num(0.0) * a_prev + torch.exp(kt - safe).nan_to_num(0.0) * v[:, t]
+        a_t = (
+            torch.exp(carried - safe).nan_to_num(0.0) * a_prev
+            + torch.exp(kt - safe).nan_to_num(0.0) * v[:, t]
+        )
         Ls.append(l_t)
         As.append(a_t)
         l_prev, a_prev = l_t, a_t
@@ -283,7 +288,9 @@ def stable_prefix_average(
     if padding_mask is not None:
         check_tensor(where, "padding_mask", padding_mask, shape=tuple(k.shape[:2]))
         if padding_mask.dtype != torch.bool:
-            raise TypeError(f"{where}: 'padding_mask' must be a bool tensor, got {padding_mask.dtype}")
+            raise TypeError(
+                f"{where}: 'padding_mask' must be a bool tensor, got {padding_mask.dtype}"
+            )
         if padding_mask.device != k.device:
             raise ValueError(
                 f"{where}: 'padding_mask' is on {padding_mask.device} but 'k' is on {k.device}"

@@ -31,7 +31,11 @@ def build_task(config: TrainConfig) -> Any:
         raise UsageError(f"unknown task {config.task!r}; {hint}known tasks: {', '.join(names)}")
     try:
         return data_mod.build_task(
-            config.task, data=config.data, seq_len=config.seq_len, seed=config.seed, **config.task_options
+            config.task,
+            data=config.data,
+            seq_len=config.seq_len,
+            seed=config.seed,
+            **config.task_options,
         )
     except data_mod.DataError as e:
         raise UsageError(str(e)) from None
@@ -50,13 +54,20 @@ def model_config_for(config: TrainConfig, task: Any) -> TransformerConfig:
 
         near = difflib.get_close_matches(config.mixer, available_mixers(), n=2)
         hint = f"did you mean {' or '.join(map(repr, near))}? " if near else ""
-        raise UsageError(f"unknown mixer {config.mixer!r}; {hint}known mixers: {', '.join(available_mixers())}")
+        raise UsageError(
+            f"unknown mixer {config.mixer!r}; {hint}known mixers: {', '.join(available_mixers())}"
+        )
     extra: dict[str, Any] = {}
     grid = getattr(task, "grid", None)
-    if grid is not None and "grid" in inspect.signature(get_mixer_class(config.mixer).__init__).parameters:
+    if (
+        grid is not None
+        and "grid" in inspect.signature(get_mixer_class(config.mixer).__init__).parameters
+    ):
         extra["grid"] = tuple(grid)
     try:
-        base = config.transformer_config(vocab_size=task.vocab_size, causal=task.kind == "lm", **extra)
+        base = config.transformer_config(
+            vocab_size=task.vocab_size, causal=task.kind == "lm", **extra
+        )
         return TransformerConfig.from_dict({**base.to_dict(), "max_seq_len": task.seq_len})
     except (TypeError, ValueError) as e:
         raise UsageError(f"config: {e}") from None
@@ -81,7 +92,9 @@ def build_model(model_config: TransformerConfig, task_info: dict[str, Any]) -> n
                 model_config, num_classes=int(task_info["num_classes"]), pooling="mean"
             )
         if task_info.get("image_shape") is not None:
-            return models.PixelTransformer(model_config, image_shape=tuple(task_info["image_shape"]))
+            return models.PixelTransformer(
+                model_config, image_shape=tuple(task_info["image_shape"])
+            )
         return models.TransformerLM(model_config)
     except (TypeError, ValueError) as e:
         raise UsageError(f"cannot build the model: {e}") from None

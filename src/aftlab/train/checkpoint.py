@@ -188,7 +188,9 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
         manifest = json.loads((path / MANIFEST_FILE).read_text(encoding="utf-8"))
         files = manifest["files"]
     except (OSError, ValueError, KeyError, TypeError):
-        raise UsageError(f"checkpoint {str(path)!r} has no readable {MANIFEST_FILE} ({what})") from None
+        raise UsageError(
+            f"checkpoint {str(path)!r} has no readable {MANIFEST_FILE} ({what})"
+        ) from None
     for fname in (MODEL_FILE, CONFIG_FILE, STATE_FILE):
         f = path / fname
         entry = files.get(fname)
@@ -209,7 +211,11 @@ def read_checkpoint_config(path: str | Path) -> dict[str, Any]:
 
 
 def load_checkpoint(
-    path: str | Path, model: nn.Module, *, map_location: str | torch.device = "cpu", with_state: bool = True
+    path: str | Path,
+    model: nn.Module,
+    *,
+    map_location: str | torch.device = "cpu",
+    with_state: bool = True,
 ) -> dict[str, Any]:
     """Verify a checkpoint, load its weights into ``model`` and return its training state.
 
@@ -219,7 +225,9 @@ def load_checkpoint(
     path = Path(path)
     verify_checkpoint(path)
     try:
-        missing, unexpected = load_model(model, str(path / MODEL_FILE), strict=False, device=str(map_location))
+        missing, unexpected = load_model(
+            model, str(path / MODEL_FILE), strict=False, device=str(map_location)
+        )
     except (RuntimeError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(

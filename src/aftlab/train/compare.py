@@ -29,7 +29,9 @@ __all__ = ["DEFAULT_MIXERS", "run_compare", "unigram_baseline", "format_table"]
 DEFAULT_MIXERS = ("attention", "aft-full", "aft-local", "aft-simple", "aft-conv")
 
 
-def unigram_baseline(task: Any, *, train_batches: int, batch_size: int, test_batches: int | None) -> float:
+def unigram_baseline(
+    task: Any, *, train_batches: int, batch_size: int, test_batches: int | None
+) -> float:
     """Test loss (nats per target) of a unigram model fitted on training batches.
 
     ``p(c) = (n_c + 1) / (n + V)`` (add-one smoothing) from the targets of ``train_batches``
@@ -74,8 +76,10 @@ def _train_one(base: TrainConfig, mixer: str, run_dir: Path) -> dict[str, Any]:
     if summary_path.is_file():  # finished in an earlier invocation
         return json.loads(summary_path.read_text(encoding="utf-8"))
     cfg_path = run_dir.parent / f"{mixer}.toml"
-    atomic_write_text(cfg_path, to_toml(base.replace(mixer=mixer, mixer_options={}, out=str(run_dir),
-                                                     sample_tokens=0)))
+    atomic_write_text(
+        cfg_path,
+        to_toml(base.replace(mixer=mixer, mixer_options={}, out=str(run_dir), sample_tokens=0)),
+    )
     cmd = [sys.executable, "-m", "aftlab", "train", "--config", str(cfg_path)]
     if (run_dir / "config.toml").is_file():
         cmd.append("--resume")
@@ -104,7 +108,9 @@ def run_compare(base: TrainConfig, mixers: list[str], out_dir: str | Path) -> st
 
     unknown = [m for m in mixers if m not in available_mixers()]
     if unknown:
-        raise UsageError(f"unknown mixer {unknown[0]!r} in --mixers; known mixers: {', '.join(available_mixers())}")
+        raise UsageError(
+            f"unknown mixer {unknown[0]!r} in --mixers; known mixers: {', '.join(available_mixers())}"
+        )
     task = build_task(base)  # fails early on bad data, before any training
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -113,23 +119,56 @@ def run_compare(base: TrainConfig, mixers: list[str], out_dir: str | Path) -> st
     for mixer in mixers:
         s = _train_one(base, mixer, out_dir / mixer)
         summaries[mixer] = s
-        rows.append({
-            "mixer": mixer, "parameters": s["parameters"], "test_metric": s.get(f"test_{s['metric']}"),
-            "test_loss": s.get("test_loss"), "tokens_per_s": s.get("train_tokens_per_s"),
-            "peak_memory_bytes": s.get("peak_memory_bytes"), "device": s.get("device"),
-        })
+        rows.append(
+            {
+                "mixer": mixer,
+                "parameters": s["parameters"],
+                "test_metric": s.get(f"test_{s['metric']}"),
+                "test_loss": s.get("test_loss"),
+                "tokens_per_s": s.get("train_tokens_per_s"),
+                "peak_memory_bytes": s.get("peak_memory_bytes"),
+                "device": s.get("device"),
+            }
+        )
     device = rows[0]["device"] if rows else "cpu"
     if task.metric in ("bpc", "bpb"):
-        nats = unigram_baseline(task, train_batches=min(base.steps, 200), batch_size=base.batch_size,
-                                test_batches=base.test_batches or None)
-        rows.append({"mixer": "(unigram baseline)", "parameters": task.vocab_size - 1,
-                     "test_metric": nats / math.log(2), "test_loss": nats, "tokens_per_s": None,
-                     "peak_memory_bytes": None})
+        nats = unigram_baseline(
+            task,
+            train_batches=min(base.steps, 200),
+            batch_size=base.batch_size,
+            test_batches=base.test_batches or None,
+        )
+        rows.append(
+            {
+                "mixer": "(unigram baseline)",
+                "parameters": task.vocab_size - 1,
+                "test_metric": nats / math.log(2),
+                "test_loss": nats,
+                "tokens_per_s": None,
+                "peak_memory_bytes": None,
+            }
+        )
     table = format_table(rows, task.metric, device)
-    cmd = " ".join(["aftlab compare", f"--task {base.task}", f"--mixers {','.join(mixers)}", f"--steps {base.steps}"])
-    atomic_write_text(out_dir / "results.json", json.dumps({"rows": rows, "config": base.to_dict()}, indent=2))
+    cmd = " ".join(
+        [
+            "aftlab compare",
+            f"--task {base.task}",
+            f"--mixers {','.join(mixers)}",
+            f"--steps {base.steps}",
+        ]
+    )
+    atomic_write_text(
+        out_dir / "results.json", json.dumps({"rows": rows, "config": base.to_dict()}, indent=2)
+    )
     png = _plot_curves(out_dir, mixers)
-    md = [f"# aftlab compare: {base.task}", "", f"Made with `{cmd}` (full config in results.json).", "", table, ""]
+    md = [
+        f"# aftlab compare: {base.task}",
+        "",
+        f"Made with `{cmd}` (full config in results.json).",
+        "",
+        table,
+        "",
+    ]
     if png is not None:
         md += [f"![loss curves]({png.name})", ""]
     atomic_write_text(out_dir / "results.md", "\n".join(md))
@@ -142,7 +181,9 @@ def _plot_curves(out_dir: Path, mixers: list[str]) -> Path | None:
     except ImportError:
         return None
     try:
-        return plot_loss_curves({m: out_dir / m / "metrics.jsonl" for m in mixers}, out_dir / "loss_curves.png")
+        return plot_loss_curves(
+            {m: out_dir / m / "metrics.jsonl" for m in mixers}, out_dir / "loss_curves.png"
+        )
     except UsageError as e:
         print(f"aftlab compare: no loss_curves.png: {e}", file=sys.stderr)
         return None

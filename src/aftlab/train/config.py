@@ -143,11 +143,25 @@ class TrainConfig:
     def __post_init__(self) -> None:
         self._check_types()
         self.model = {**DEFAULT_MODEL, **self.model}  # the [model] table refines the defaults
-        for name in ("seq_len", "batch_size", "grad_accum", "steps", "eval_batches", "keep_last",
-                     "log_interval"):
+        for name in (
+            "seq_len",
+            "batch_size",
+            "grad_accum",
+            "steps",
+            "eval_batches",
+            "keep_last",
+            "log_interval",
+        ):
             if getattr(self, name) <= 0:
                 self._fail(name, "> 0")
-        for name in ("warmup", "eval_interval", "test_batches", "checkpoint_interval", "sample_tokens", "seed"):
+        for name in (
+            "warmup",
+            "eval_interval",
+            "test_batches",
+            "checkpoint_interval",
+            "sample_tokens",
+            "seed",
+        ):
             if getattr(self, name) < 0:
                 self._fail(name, ">= 0")
         if self.eval_batch_size is not None and self.eval_batch_size <= 0:
@@ -213,7 +227,9 @@ class TrainConfig:
                 )
 
     # ----------------------------------------------------------------- derived
-    def transformer_config(self, *, vocab_size: int, causal: bool, **extra: Any) -> TransformerConfig:
+    def transformer_config(
+        self, *, vocab_size: int, causal: bool, **extra: Any
+    ) -> TransformerConfig:
         """The model's :class:`TransformerConfig` for a task with ``vocab_size`` tokens.
 
         ``extra`` entries go into ``mixer_options`` when not already there (e.g. a task's ``grid``).
@@ -254,12 +270,35 @@ class TrainConfig:
 
 
 _FIELD_TYPES: dict[str, Any] = {
-    "task": str, "data": str, "task_options": dict, "seq_len": int, "mixer": str,
-    "mixer_options": dict, "model": dict, "batch_size": int, "grad_accum": int, "lr": float,
-    "min_lr": float, "warmup": int, "steps": int, "weight_decay": float, "betas": "betas",
-    "grad_clip": float, "eval_interval": int, "eval_batches": int, "eval_batch_size": int, "test_batches": int,
-    "checkpoint_interval": int, "keep_last": int, "log_interval": int, "sample_tokens": int,
-    "seed": int, "precision": str, "compile": bool, "device": str, "out": str,
+    "task": str,
+    "data": str,
+    "task_options": dict,
+    "seq_len": int,
+    "mixer": str,
+    "mixer_options": dict,
+    "model": dict,
+    "batch_size": int,
+    "grad_accum": int,
+    "lr": float,
+    "min_lr": float,
+    "warmup": int,
+    "steps": int,
+    "weight_decay": float,
+    "betas": "betas",
+    "grad_clip": float,
+    "eval_interval": int,
+    "eval_batches": int,
+    "eval_batch_size": int,
+    "test_batches": int,
+    "checkpoint_interval": int,
+    "keep_last": int,
+    "log_interval": int,
+    "sample_tokens": int,
+    "seed": int,
+    "precision": str,
+    "compile": bool,
+    "device": str,
+    "out": str,
 }
 
 
@@ -297,10 +336,16 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         if head == "model":
             if len(path) != 2 or path[1] not in MODEL_KEYS:
                 sub = ".".join(path[1:])
-                raise UsageError(f"--set {text!r}: unknown key 'model.{sub}'{_close(sub, MODEL_KEYS)}")
+                raise UsageError(
+                    f"--set {text!r}: unknown key 'model.{sub}'{_close(sub, MODEL_KEYS)}"
+                )
         elif head not in _FREE_TABLES:
             raise UsageError(f"--set {text!r}: '{head}' is not a table; use --set {head}=VALUE")
-        node = out.setdefault(head, {}) if head != "model" else out.setdefault("model", dict(DEFAULT_MODEL))
+        node = (
+            out.setdefault(head, {})
+            if head != "model"
+            else out.setdefault("model", dict(DEFAULT_MODEL))
+        )
         for k in path[1:-1]:
             node = node.setdefault(k, {})
             if not isinstance(node, dict):
@@ -328,8 +373,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         try:
             data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
         except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
-            raise UsageError(f"config file {str(p)!r} is not valid {'JSON' if p.suffix == '.json' else 'TOML'}: "
-                             f"{e}") from None
+            raise UsageError(
+                f"config file {str(p)!r} is not valid {'JSON' if p.suffix == '.json' else 'TOML'}: "
+                f"{e}"
+            ) from None
     data = apply_overrides(data, overrides or [])
     if "model" in data and not isinstance(data["model"], dict):
         raise UsageError(f"config: 'model' must be a table, got {data['model']!r}")

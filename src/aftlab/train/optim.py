@@ -37,7 +37,9 @@ def param_groups(model: nn.Module, *, weight_decay: float) -> list[dict]:
         elif isinstance(module, SequenceMixer):
             # the mixer's own parameters (AFT position biases w or their factors u, v, conv
             # kernels, decay rates), wherever they sit; its nn.Linear projections are decayed
-            linear = {id(p) for m in module.modules() if isinstance(m, nn.Linear) for p in m.parameters()}
+            linear = {
+                id(p) for m in module.modules() if isinstance(m, nn.Linear) for p in m.parameters()
+            }
             no_decay_ids.update(id(p) for p in module.parameters() if id(p) not in linear)
     decay, other = [], []
     seen: set[int] = set()

@@ -35,7 +35,12 @@ class Progress:
     """
 
     def __init__(
-        self, *, total: int, initial: int = 0, log_interval: int = 20, stream: TextIO | None = None,
+        self,
+        *,
+        total: int,
+        initial: int = 0,
+        log_interval: int = 20,
+        stream: TextIO | None = None,
         enabled: bool = True,
     ) -> None:
         self.total, self.initial, self.log_interval = total, initial, log_interval
@@ -49,8 +54,14 @@ class Progress:
             except ImportError:
                 tqdm = None
             if tqdm is not None:
-                self._bar = tqdm(total=total, initial=initial, file=self.stream, unit="step",
-                                 dynamic_ncols=True, leave=True)
+                self._bar = tqdm(
+                    total=total,
+                    initial=initial,
+                    file=self.stream,
+                    unit="step",
+                    dynamic_ncols=True,
+                    leave=True,
+                )
 
     def update(self, step: int, *, loss: float, lr: float, tokens_per_s: float) -> None:
         """Record that optimizer step ``step`` (1-based) finished."""
@@ -60,7 +71,9 @@ class Progress:
         elapsed = time.perf_counter() - self._start
         eta = elapsed / max(done, 1) * (self.total - step)
         if self._bar is not None:
-            self._bar.set_postfix_str(f"loss {loss:.4f} | lr {lr:.2e} | {tokens_per_s:,.0f} tok/s", refresh=False)
+            self._bar.set_postfix_str(
+                f"loss {loss:.4f} | lr {lr:.2e} | {tokens_per_s:,.0f} tok/s", refresh=False
+            )
             self._bar.update(step - self._bar.n)
         elif step % self.log_interval == 0 or step == self.total or done == 1:
             self.write(

@@ -34,7 +34,9 @@ def check_run_dir(run_dir: str | Path) -> Path:
     """Return the newest checkpoint of ``run_dir``, or raise a :class:`UsageError` saying why not."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise UsageError(f"run folder {str(run_dir)!r} does not exist (give the --out folder of a training run)")
+        raise UsageError(
+            f"run folder {str(run_dir)!r} does not exist (give the --out folder of a training run)"
+        )
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
         raise UsageError(
@@ -44,7 +46,11 @@ def check_run_dir(run_dir: str | Path) -> Path:
 
 
 def load_run(
-    run_dir: str | Path, *, device: str | torch.device = "cpu", data: str | None = None, load_task: bool = True
+    run_dir: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    data: str | None = None,
+    load_task: bool = True,
 ) -> LoadedRun:
     """Load a run folder for evaluation or sampling.
 

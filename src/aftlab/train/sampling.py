@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from ..models.generation import sample_next_token
-
 from .errors import UsageError
 
 __all__ = ["sample_text", "default_prompt"]
@@ -83,14 +82,17 @@ def sample_text(
     in_context = max(0, min(tokens, context - len(ids)))
     if in_context:  # incremental decoding with the mixer's state (KV cache / AFT running sums)
         prompt_t = torch.tensor([ids], dtype=torch.long, device=device)
-        for tok in model.stream_generate(prompt_t, in_context, temperature=temperature, top_k=top_k,
-                                         generator=gen):
+        for tok in model.stream_generate(
+            prompt_t, in_context, temperature=temperature, top_k=top_k, generator=gen
+        ):
             seq.append(int(tok[0]))
             pieces.append(emit([seq[-1]]))
     for _ in range(tokens - in_context):  # past the context: re-read the last T tokens
         window = torch.tensor([seq[-context:]], dtype=torch.long, device=device)
         logits = model(window)[:, -1]
-        seq.append(int(sample_next_token(logits, temperature=temperature, top_k=top_k, generator=gen)[0]))
+        seq.append(
+            int(sample_next_token(logits, temperature=temperature, top_k=top_k, generator=gen)[0])
+        )
         pieces.append(emit([seq[-1]]))
     if dec is not None:
         tail = dec.decode(b"", final=True)

@@ -48,7 +48,14 @@ from .errors import UsageError
 from .optim import build_optimizer, lr_at
 from .progress import Progress, format_duration
 
-__all__ = ["Trainer", "evaluate", "forward_batch", "resolve_device", "DistInfo", "peak_memory_bytes"]
+__all__ = [
+    "Trainer",
+    "evaluate",
+    "forward_batch",
+    "resolve_device",
+    "DistInfo",
+    "peak_memory_bytes",
+]
 
 IGNORE_INDEX = -100
 
@@ -62,7 +69,9 @@ def resolve_device(name: str, *, local_rank: int = 0) -> torch.device:
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda"):
         if not torch.cuda.is_available():
-            raise UsageError(f"device {name!r} requested but CUDA is not available (use --set device=cpu)")
+            raise UsageError(
+                f"device {name!r} requested but CUDA is not available (use --set device=cpu)"
+            )
         if name == "cuda":
             name = f"cuda:{local_rank}"
     return torch.device(name)
@@ -128,8 +137,10 @@ def nll_sum(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, t
     ``nll = sum_{i: y_i != -100} -log softmax(z_i)[y_i]``.
     """
     loss = F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1),
-        ignore_index=IGNORE_INDEX, reduction="sum",
+        logits.float().reshape(-1, logits.shape[-1]),
+        target.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
     )
     return loss, (target != IGNORE_INDEX).sum()
 
@@ -200,7 +211,12 @@ class Trainer:
     """
 
     def __init__(
-        self, config: TrainConfig, *, run_dir: str | Path, resume: bool = False, stream: TextIO | None = None,
+        self,
+        config: TrainConfig,
+        *,
+        run_dir: str | Path,
+        resume: bool = False,
+        stream: TextIO | None = None,
         out: TextIO | None = None,
     ) -> None:
         self.config = config
@@ -256,8 +272,10 @@ class Trainer:
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_text(self.run_dir / "config.toml", to_toml(cfg))
-            atomic_write_text(self.run_dir / "task.json", json.dumps(
-                {**self.task_info, "info": _jsonable(self.task.info())}, indent=2))
+            atomic_write_text(
+                self.run_dir / "task.json",
+                json.dumps({**self.task_info, "info": _jsonable(self.task.info())}, indent=2),
+            )
             self._trim_metrics()
 
     def _trim_metrics(self) -> None:
@@ -296,8 +314,11 @@ class Trainer:
                 self.run_dir,
                 step=self.step,
                 model=self.model,
-                config={"train": self.config.to_dict(), "model": self.model_config.to_dict(),
-                        "task": self.task_info},
+                config={
+                    "train": self.config.to_dict(),
+                    "model": self.model_config.to_dict(),
+                    "task": self.task_info,
+                },
                 train_state={
                     "step": self.step,
                     "tokens_seen": self.tokens_seen,
@@ -317,15 +338,23 @@ class Trainer:
             raise KeyboardInterrupt
         self._stop_signal = signum
         if self.dist.is_main:
-            print(f"\naftlab: {signal.Signals(signum).name} received: saving a checkpoint after this step "
-                  "(press Ctrl-C again to abort without saving)", file=self.stream, flush=True)
+            print(
+                f"\naftlab: {signal.Signals(signum).name} received: saving a checkpoint after this step "
+                "(press Ctrl-C again to abort without saving)",
+                file=self.stream,
+                flush=True,
+            )
 
     def evaluate(self, split: str, max_batches: int | None) -> dict[str, float]:
         """Evaluate the current weights on ``split`` (see :func:`evaluate`)."""
         return evaluate(
-            self.model, self.task, split,
+            self.model,
+            self.task,
+            split,
             batch_size=self.config.eval_batch_size or self.config.batch_size,
-            max_batches=max_batches, device=self.device, precision=self.config.precision,
+            max_batches=max_batches,
+            device=self.device,
+            precision=self.config.precision,
         )
 
     # ----------------------------------------------------------------- one step
@@ -334,12 +363,16 @@ class Trainer:
         lr = lr_at(self.step, lr=cfg.lr, min_lr=cfg.min_lr, warmup=cfg.warmup, steps=cfg.steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        batch = self.task.train_batch(self.step, batch_size=self.per_rank, rank=d.rank, world_size=d.world_size)
+        batch = self.task.train_batch(
+            self.step, batch_size=self.per_rank, rank=d.rank, world_size=d.world_size
+        )
         batch = {k: v.to(self.device) for k, v in batch.items()}
-        n_global = self._all_reduce((batch["target"] != IGNORE_INDEX).sum().to(torch.float64)).clamp_min(1)
+        n_global = self._all_reduce(
+            (batch["target"] != IGNORE_INDEX).sum().to(torch.float64)
+        ).clamp_min(1)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for i in range(cfg.grad_accum):
-            mb = {k: v[i * self.micro:(i + 1) * self.micro] for k, v in batch.items()}
+            mb = {k: v[i * self.micro : (i + 1) * self.micro] for k, v in batch.items()}
             sync = d.active and i < cfg.grad_accum - 1
             with self.train_model.no_sync() if sync else nullcontext():
                 with _autocast(self.device, cfg.precision):
@@ -372,13 +405,24 @@ class Trainer:
         baseline_rss = _max_rss_bytes()
         self._last_saved = self.step if self.resume and self.step > 0 else -1
         start_step = self.step
-        self._metrics = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8") if self.dist.is_main else None
+        self._metrics = (
+            open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
+            if self.dist.is_main
+            else None
+        )
         n_params = sum(p.numel() for p in self.model.parameters())
-        progress = Progress(total=cfg.steps, initial=self.step, log_interval=cfg.log_interval,
-                            stream=self.stream, enabled=self.dist.is_main)
+        progress = Progress(
+            total=cfg.steps,
+            initial=self.step,
+            log_interval=cfg.log_interval,
+            stream=self.stream,
+            enabled=self.dist.is_main,
+        )
         if self.step == 0 or not self.resume:
-            progress.write(f"aftlab: training {cfg.mixer} on {cfg.task} ({n_params:,} parameters, "
-                           f"{self.dist.world_size} process(es), device {self.device}) -> {self.run_dir}")
+            progress.write(
+                f"aftlab: training {cfg.mixer} on {cfg.task} ({n_params:,} parameters, "
+                f"{self.dist.world_size} process(es), device {self.device}) -> {self.run_dir}"
+            )
         else:
             progress.write(f"aftlab: resuming {self.run_dir} at step {self.step}/{cfg.steps}")
         handlers = {}
@@ -394,20 +438,39 @@ class Trainer:
                 dt = time.perf_counter() - t0
                 train_time += dt
                 tok_s = (self.tokens_seen - session_tokens0) / max(train_time, 1e-9)
-                self._log({"step": self.step, "split": "train", "loss": loss, "lr": self._lr,
-                           "tokens": self.tokens_seen, "tokens_per_s": tok_s, "time": time.time()})
+                self._log(
+                    {
+                        "step": self.step,
+                        "split": "train",
+                        "loss": loss,
+                        "lr": self._lr,
+                        "tokens": self.tokens_seen,
+                        "tokens_per_s": tok_s,
+                        "time": time.time(),
+                    }
+                )
                 progress.update(self.step, loss=loss, lr=self._lr, tokens_per_s=tok_s)
-                if cfg.eval_interval and self.step % cfg.eval_interval == 0 and self.step < cfg.steps:
+                if (
+                    cfg.eval_interval
+                    and self.step % cfg.eval_interval == 0
+                    and self.step < cfg.steps
+                ):
                     self._periodic_eval(progress)
                 stop = torch.tensor(float(self._stop_signal is not None), device=self.device)
-                if float(self._all_reduce(stop, dist.ReduceOp.MAX if self.dist.active else None)) > 0:
+                if (
+                    float(self._all_reduce(stop, dist.ReduceOp.MAX if self.dist.active else None))
+                    > 0
+                ):
                     path = self._save()
                     progress.close()
                     if self.dist.is_main:
                         where = path or latest_checkpoint(self.run_dir)
-                        print(f"aftlab: interrupted at step {self.step}/{cfg.steps}; checkpoint {where}; "
-                              f"continue with: aftlab train --resume --out {self.run_dir}",
-                              file=self.stream, flush=True)
+                        print(
+                            f"aftlab: interrupted at step {self.step}/{cfg.steps}; checkpoint {where}; "
+                            f"continue with: aftlab train --resume --out {self.run_dir}",
+                            file=self.stream,
+                            flush=True,
+                        )
                     return {"interrupted": True, "step": self.step}
                 if cfg.checkpoint_interval and self.step % cfg.checkpoint_interval == 0:
                     self._save()
@@ -419,27 +482,54 @@ class Trainer:
             if self._metrics is not None:
                 self._metrics.close()
         summary: dict[str, Any] = {
-            "task": cfg.task, "mixer": cfg.mixer, "parameters": n_params, "steps": self.step,
-            "train_loss": loss, "tokens_seen": self.tokens_seen,
-            "train_tokens_per_s": (self.tokens_seen - session_tokens0) / train_time if train_time else None,
-            "train_time_s": train_time, "peak_memory_bytes": peak_memory_bytes(self.device, baseline_rss),
-            "device": str(self.device), "world_size": self.dist.world_size, "metric": self.task.metric,
+            "task": cfg.task,
+            "mixer": cfg.mixer,
+            "parameters": n_params,
+            "steps": self.step,
+            "train_loss": loss,
+            "tokens_seen": self.tokens_seen,
+            "train_tokens_per_s": (self.tokens_seen - session_tokens0) / train_time
+            if train_time
+            else None,
+            "train_time_s": train_time,
+            "peak_memory_bytes": peak_memory_bytes(self.device, baseline_rss),
+            "device": str(self.device),
+            "world_size": self.dist.world_size,
+            "metric": self.task.metric,
             "resumed_from": start_step if self.resume else None,
         }
         if self.dist.is_main:
             test = self.evaluate("test", cfg.test_batches or None)
-            summary.update({"test_loss": test["loss"], "test_" + self.task.metric: test[self.task.metric]})
+            summary.update(
+                {"test_loss": test["loss"], "test_" + self.task.metric: test[self.task.metric]}
+            )
             atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2))
-            print(f"test {self.task.metric}: {test[self.task.metric]:.4f}  (loss {test['loss']:.4f} nats, "
-                  f"{test['targets']:,} targets; {format_duration(train_time)} of training, "
-                  f"{summary['train_tokens_per_s'] or 0:,.0f} tok/s)", file=self.out, flush=True)
-            if cfg.sample_tokens and hasattr(self.task, "decode") and self.task_info["image_shape"] is None \
-                    and self.task.kind == "lm":
+            print(
+                f"test {self.task.metric}: {test[self.task.metric]:.4f}  (loss {test['loss']:.4f} nats, "
+                f"{test['targets']:,} targets; {format_duration(train_time)} of training, "
+                f"{summary['train_tokens_per_s'] or 0:,.0f} tok/s)",
+                file=self.out,
+                flush=True,
+            )
+            if (
+                cfg.sample_tokens
+                and hasattr(self.task, "decode")
+                and self.task_info["image_shape"] is None
+                and self.task.kind == "lm"
+            ):
                 from .sampling import sample_text
 
                 print("--- sample ---", file=self.out, flush=True)
-                sample_text(self.model, self.task, prompt=None, tokens=cfg.sample_tokens, temperature=0.8,
-                            top_k=None, seed=cfg.seed, out=self.out)
+                sample_text(
+                    self.model,
+                    self.task,
+                    prompt=None,
+                    tokens=cfg.sample_tokens,
+                    temperature=0.8,
+                    top_k=None,
+                    seed=cfg.seed,
+                    out=self.out,
+                )
         self._barrier()
         return summary
 
@@ -447,9 +537,18 @@ class Trainer:
         if self.dist.is_main:
             res = self.evaluate("val", self.config.eval_batches)
             metric = self.task.metric
-            self._log({"step": self.step, "split": "val", "loss": res["loss"], metric: res[metric],
-                       "time": time.time()})
-            progress.write(f"step {self.step}: val loss {res['loss']:.4f}, val {metric} {res[metric]:.4f}")
+            self._log(
+                {
+                    "step": self.step,
+                    "split": "val",
+                    "loss": res["loss"],
+                    metric: res[metric],
+                    "time": time.time(),
+                }
+            )
+            progress.write(
+                f"step {self.step}: val loss {res['loss']:.4f}, val {metric} {res[metric]:.4f}"
+            )
         self._barrier()
 
 

@@ -1,1 +1,174 @@
-"""The aft-decay mixer (stub: being written)."""
+"""The ``aft-decay`` mixer: RWKV's time mixing as a causal AFT with learned per-channel decay.
+
+``Y = dropout(W^O aft_decay(X W^Q, X W^K, X W^V, lambda, u))`` with ``lambda = exp(w_raw)``
+(so ``lambda > 0``) and a learned bonus ``u`` (:func:`aftlab.functional.aft_decay`). Causal
+only; any sequence length; ``O(T d)`` time and memory, ``O(d)`` per decoded token.
+
+Initialisation (RWKV-4): channel ``i`` of layer ``l`` of ``n_layers`` gets
+``w_raw_i = -5 + 8 (i / (d - 1))^{0.7 + 1.3 l / (n_layers - 1)}`` (decays spread from
+``e^-5`` to ``e^3``) and ``u_i = log(0.3) + 0.5 ((i + 1) mod 3 - 1)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..._checks import check_positive_int
+from ...ops.aft_decay import aft_decay
+from ..registry import register_mixer
+from .common import AFTMixer
+
+__all__ = ["AFTDecay", "AFTDecayState"]
+
+_LOW = (torch.float16, torch.bfloat16)
+
+
+@dataclass
+class AFTDecayState:
+    """Decoding state of AFT-decay (RWKV's WKV state with its stability exponent).
+
+    Elementwise over the channels, after the tokens ``t' < t``::
+
+        a = sum_t' exp(-(t-1-t') lambda + K_t' - p) V_t',   b = the same without V_t'
+
+    with the running exponent ``p`` (``-inf`` before the first token).
+
+    Attributes:
+        a: ``(B, d)`` scaled numerator.
+        b: ``(B, d)`` scaled denominator.
+        p: ``(B, d)`` running exponent.
+        position: number of tokens consumed.
+    """
+
+    a: torch.Tensor
+    b: torch.Tensor
+    p: torch.Tensor
+    position: int = 0
+
+
+def rwkv_decay_init(d: int, layer_idx: int = 0, n_layers: int = 1) -> torch.Tensor:
+    """RWKV-4's raw decays ``-5 + 8 (i / (d - 1))^{0.7 + 1.3 l / (n_layers - 1)}``, ``(d,)``."""
+    ratio = layer_idx / (n_layers - 1) if n_layers > 1 else 0.0
+    i = torch.arange(d, dtype=torch.float64)
+    frac = i / (d - 1) if d > 1 else torch.zeros(d, dtype=torch.float64)
+    return (-5.0 + 8.0 * frac ** (0.7 + 1.3 * ratio)).float()
+
+
+def rwkv_bonus_init(d: int) -> torch.Tensor:
+    """RWKV-4's bonus ``log(0.3) + 0.5 ((i + 1) mod 3 - 1)``, ``(d,)``."""
+    zigzag = torch.tensor([((i + 1) % 3 - 1) * 0.5 for i in range(d)])
+    return math.log(0.3) + zigzag
+
+
+@register_mixer("aft-decay")
+class AFTDecay(AFTMixer):
+    """AFT-decay token mixer (causal only).
+
+    Args:
+        d_model: model width ``d``.
+        causal: must be True (a ``ValueError`` otherwise).
+        dropout: dropout on the output projection.
+        bias: biases in the projections.
+        layer_idx: index ``l`` of this layer, for the decay initialisation.
+        n_layers: number of layers, for the decay initialisation.
+        n_heads: ignored (no heads).
+        max_seq_len: ignored (any length works).
+
+    Attributes:
+        time_decay: raw decay ``w_raw``, ``(d,)``; ``lambda = exp(w_raw)``.
+        time_bonus: bonus ``u``, ``(d,)``.
+
+    Shapes:
+        ``forward``: ``x (B, T, d)``, ``padding_mask (B, T)`` bool -> ``(B, T, d)``;
+        ``step``: ``x (B, d)`` -> ``(B, d)``.
+    """
+
+    def __init__(
+        self,
+        *,
+        d_model: int,
+        n_heads: int = 1,
+        causal: bool = True,
+        max_seq_len: int | None = None,
+        dropout: float = 0.0,
+        bias: bool = True,
+        layer_idx: int = 0,
+        n_layers: int = 1,
+    ) -> None:
+        if not causal:
+            raise ValueError(
+                "AFTDecay: 'causal' must be True (aft-decay is causal only; use aft-simple, "
+                "aft-local, aft-conv or aft-full for a non-causal mixer), got False"
+            )
+        # max_seq_len is not passed on: AFT-decay takes any length.
+        super().__init__(d_model=d_model, n_heads=n_heads, causal=True, dropout=dropout, bias=bias)
+        check_positive_int("AFTDecay", "n_layers", n_layers)
+        check_positive_int("AFTDecay", "layer_idx", layer_idx, allow_zero=True)
+        if layer_idx >= n_layers:
+            raise ValueError(
+                f"AFTDecay: 'layer_idx' must be < n_layers = {n_layers}, got {layer_idx}"
+            )
+        self.layer_idx, self.n_layers = layer_idx, n_layers
+        self.time_decay = nn.Parameter(rwkv_decay_init(d_model, layer_idx, n_layers))
+        self.time_bonus = nn.Parameter(rwkv_bonus_init(d_model))
+
+    def decay(self) -> torch.Tensor:
+        """``lambda = exp(w_raw)``, ``(d,)``."""
+        return torch.exp(self.time_decay)
+
+    def forward(self, x: torch.Tensor, *, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``dropout(W^O aft_decay(X W^Q, X W^K, X W^V, lambda, u))``, ``(B, T, d)`` -> same."""
+        x, padding_mask = self._check_input(x, padding_mask)
+        q, k, v = self.project(x)
+        y = aft_decay(q, k, v, self.decay(), self.time_bonus, padding_mask=padding_mask)
+        return self.output(y)
+
+    def init_state(
+        self,
+        batch_size: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> AFTDecayState:
+        """Empty state for ``batch_size`` sequences (float16/bfloat16 states stay in float32)."""
+        ref = self.time_decay
+        device = ref.device if device is None else device
+        sdt = ref.dtype if dtype is None else dtype
+        sdt = torch.float32 if sdt in _LOW else sdt
+        shape = (batch_size, self.d_model)
+        return AFTDecayState(
+            a=torch.zeros(shape, device=device, dtype=sdt),
+            b=torch.zeros(shape, device=device, dtype=sdt),
+            p=torch.full(shape, float("-inf"), device=device, dtype=sdt),
+        )
+
+    def step(self, x: torch.Tensor, state: AFTDecayState) -> tuple[torch.Tensor, AFTDecayState]:
+        """One token ``x: (B, d)`` in ``O(d)`` (RWKV's WKV recurrence with its stability trick).
+
+        Output: ``o = max(p, u + K_t)``,
+        ``wkv = (e^{p-o} a + e^{u+K_t-o} V_t) / (e^{p-o} b + e^{u+K_t-o})``,
+        ``Y_t = sigma(Q_t) wkv``.
+        Update: ``p' = max(p - lambda, K_t)``, ``a' = e^{p-lambda-p'} a + e^{K_t-p'} V_t``,
+        ``b' = e^{p-lambda-p'} b + e^{K_t-p'}``.
+        """
+        x = self._check_step_input(x)
+        q, k, v = self.project(x)
+        sdt = state.a.dtype
+        q, k, v = q.to(sdt), k.to(sdt), v.to(sdt)
+        lam, u = self.decay().to(sdt), self.time_bonus.to(sdt)
+        uk = u + k
+        o = torch.maximum(state.p, uk)
+        e1, e2 = torch.exp(state.p - o), torch.exp(uk - o)
+        wkv = (e1 * state.a + e2 * v) / (e1 * state.b + e2)
+        carried = state.p - lam
+        p_new = torch.maximum(carried, k)
+        e1, e2 = torch.exp(carried - p_new), torch.exp(k - p_new)
+        state.a = e1 * state.a + e2 * v
+        state.b = e1 * state.b + e2
+        state.p = p_new
+        state.position += 1
+        return self.output((torch.sigmoid(q) * wkv).to(x.dtype)), state

@@ -48,7 +48,9 @@ class PositionBias(nn.Module):
 
 def require_max_seq_len(where: str, max_seq_len: int | None) -> int:
     if max_seq_len is None:
-        raise ValueError(f"{where}: 'max_seq_len' (T_max, the size of the position bias) is required")
+        raise ValueError(
+            f"{where}: 'max_seq_len' (T_max, the size of the position bias) is required"
+        )
     return max_seq_len
 
 
@@ -63,8 +65,9 @@ class AFTFullState:
 
 @register_mixer("aft-full")
 class AFTFull(AFTMixer):
-    """AFT-full token mixer: ``Y = sigma(Q) * sum_t' exp(K_t' + w_{t,t'}) V_t' / sum_t' exp(K_t' + w_{t,t'})``,
-    then the output projection. See :func:`aftlab.ops.aft_full`.
+    """AFT-full token mixer, then the output projection (see :func:`aftlab.ops.aft_full`)::
+
+        Y_t = sigma(Q_t) * sum_t' exp(K_t' + w_{t,t'}) V_t' / sum_t' exp(K_t' + w_{t,t'})
 
     Args:
         bias_rank: ``d'`` of ``w = U V^T`` (the paper: 64 on CIFAR-10, 128 ImageNet, 256 enwik8);
@@ -97,11 +100,17 @@ class AFTFull(AFTMixer):
                             torch.zeros(shape, device=device or p.device, dtype=dt))
 
     def step(self, x: torch.Tensor, state: AFTFullState) -> tuple[torch.Tensor, AFTFullState]:
-        """One token ``x: (B, d_model)``: ``y_t = sigma(q_t) * sum_{t'<=t} softmax_t'(K_t' + w_{t,t'}) V_t'``."""
+        """One token ``x: (B, d_model)`` at position ``t``; ``O(t d)``::
+
+            y_t = sigma(q_t) * sum_{t'<=t} softmax_t'(K_t' + w_{t,t'}) V_t'
+        """
         x = self._check_step_input(x)
         t = state.t
         if t >= self.max_seq_len:
-            raise ValueError(f"{type(self).__name__}: position {t} exceeds max_seq_len (T_max) = {self.max_seq_len}")
+            raise ValueError(
+                f"{type(self).__name__}: position {t} exceeds max_seq_len (T_max) = "
+                f"{self.max_seq_len}"
+            )
         q, k, v = self.project(x)
         cd = state.k.dtype
         state.k[:, t], state.v[:, t] = k.to(cd), v.to(cd)

@@ -63,7 +63,8 @@ class AFTLocal(AFTMixer):
         """``w_band (T, W)``, ``w_band[t, j] = w[t, t + j - (s - 1)]`` (0 outside ``[0, T)``)."""
         geo = band_geometry(T, max(self.window, 1), causal=self.causal)
         pb, dev = self.pos_bias, self.to_v.weight.device
-        cols = torch.arange(T, device=dev)[:, None] + torch.arange(geo.W, device=dev)[None] - geo.beta
+        offsets = torch.arange(geo.W, device=dev)[None] - geo.beta
+        cols = torch.arange(T, device=dev)[:, None] + offsets
         inside = (cols >= 0) & (cols < T)
         cols = cols.clamp(0, T - 1)
         if pb.rank is None:
@@ -82,7 +83,9 @@ class AFTLocal(AFTMixer):
         q, k, v = self.project(x)
         T = x.shape[1]
         w_band = self.band(T).to(q.dtype) if self.window > 0 else q.new_zeros(T, 1)
-        y = aft_local_band(q, k, v, w_band, self.window, causal=self.causal, padding_mask=padding_mask)
+        y = aft_local_band(
+            q, k, v, w_band, self.window, causal=self.causal, padding_mask=padding_mask
+        )
         return self.output(y)
 
     def extra_repr(self) -> str:
@@ -109,7 +112,10 @@ class AFTLocal(AFTMixer):
         x = self._check_step_input(x)
         t = state.t
         if t >= self.max_seq_len:
-            raise ValueError(f"{type(self).__name__}: position {t} exceeds max_seq_len (T_max) = {self.max_seq_len}")
+            raise ValueError(
+                f"{type(self).__name__}: position {t} exceeds max_seq_len (T_max) = "
+                f"{self.max_seq_len}"
+            )
         q, k, v = self.project(x)
         cd = state.num.dtype
         k, v = k.to(cd), v.to(cd)

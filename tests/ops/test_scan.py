@@ -1,0 +1,175 @@
+"""The fast chunked scan against the sequential float64 reference, forward and backward."""
+
+import pytest
+import torch
+
+import aftlab.ops.scan as scan
+from aftlab.ops.scan import stable_prefix_average, stable_prefix_average_reference
+from aftlab.testing import assert_close
+
+F64 = torch.float64
+
+
+def _inputs(B, T, d, *, scale=5.0, dtype=F64, grad=True):
+    k = (torch.randn(B, T, d, dtype=F64) * scale).to(dtype).requires_grad_(grad)
+    v = torch.randn(B, T, d, dtype=F64).to(dtype).requires_grad_(grad)
+    return k, v
+
+
+def _finite(L):
+    """L with -inf (no key yet) replaced by 0, for comparisons and losses."""
+    return torch.where(torch.isfinite(L), L, torch.zeros_like(L))
+
+
+def _compare(k, v, *, decay=None, reverse=False, padding_mask=None, atol=None, rtol=None):
+    """Forward and backward of the fast op against the float64 reference on the same inputs."""
+    L, A = stable_prefix_average(k, v, decay=decay, reverse=reverse, padding_mask=padding_mask)
+    kd, vd = k.detach().double().requires_grad_(), v.detach().double().requires_grad_()
+    dd = None if decay is None else decay.detach().double().requires_grad_()
+    L0, A0 = stable_prefix_average_reference(
+        kd, vd, decay=dd, reverse=reverse, padding_mask=padding_mask
+    )
+    assert torch.equal(torch.isfinite(L), torch.isfinite(L0)), "-inf pattern of L differs"
+    assert_close("L", _finite(L), _finite(L0), atol=atol, rtol=rtol)
+    assert_close("A", A, A0, atol=atol, rtol=rtol)
+    gL, gA = torch.randn_like(L0), torch.randn_like(A0)
+    ins = [k, v] + ([decay] if decay is not None and decay.requires_grad else [])
+    ins0 = [kd, vd] + ([dd] if decay is not None and decay.requires_grad else [])
+    g = torch.autograd.grad((_finite(L).double() * gL).sum() + (A.double() * gA).sum(), ins)
+    g0 = torch.autograd.grad((_finite(L0) * gL).sum() + (A0 * gA).sum(), ins0)
+    for name, a, e in zip(["dk", "dv", "ddecay"][: len(g)], g, g0, strict=True):
+        assert torch.isfinite(a).all(), f"{name} not finite"
+        assert_close(name, a, e, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("T", [1, 2, 7, 64, 257])
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("with_decay", [False, True])
+def test_matches_reference_forward_backward(T, reverse, with_decay):
+    k, v = _inputs(2, T, 5)
+    decay = torch.rand(5, dtype=F64, requires_grad=True) if with_decay else None
+    _compare(k, v, decay=decay, reverse=reverse)
+
+
+@pytest.mark.parametrize("chunk", [2, 3])
+def test_deep_recursion_and_ragged_chunks(monkeypatch, chunk):
+    # Tiny chunks force several levels of chunk summaries and a padded last chunk.
+    monkeypatch.setattr(scan, "_chunk_size", lambda T: min(T, chunk))
+    k, v = _inputs(2, 23, 3)
+    mask = torch.rand(2, 23) > 0.4
+    _compare(k, v, decay=torch.rand(3, dtype=F64, requires_grad=True), padding_mask=mask)
+    _compare(k, v, reverse=True)
+
+
+def test_gradcheck_float64():
+    k, v = _inputs(1, 11, 2, scale=2.0)
+    decay = torch.rand(2, dtype=F64, requires_grad=True)
+    mask = torch.tensor([[False, False, True, True, False, True, True, True, False, True, True]])
+
+    def fn(k, v, decay):
+        L, A = stable_prefix_average(k, v, decay=decay, padding_mask=mask)
+        return _finite(L), A
+
+    assert torch.autograd.gradcheck(fn, (k, v, decay))
+    assert torch.autograd.gradcheck(
+        lambda k, v: stable_prefix_average(k, v, reverse=True), (k, v)
+    )
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_padding_mask(reverse):
+    B, T, d = 3, 40, 4
+    k, v = _inputs(B, T, d)
+    mask = torch.rand(B, T) > 0.5
+    mask[1] = False  # a row without any valid key
+    mask[2, :20] = False  # a long prefix without keys
+    _compare(k, v, decay=torch.rand(d, dtype=F64), reverse=reverse, padding_mask=mask)
+    L, A = stable_prefix_average(k, v, reverse=reverse, padding_mask=mask)
+    assert torch.isneginf(L[1]).all() and (A[1] == 0).all()
+    # Padded keys and values do not matter, even huge ones.
+    k2 = k.detach().masked_fill(~mask[:, :, None], 1e4)
+    v2 = v.detach().masked_fill(~mask[:, :, None], -1e4)
+    L2, A2 = stable_prefix_average(k2, v2, reverse=reverse, padding_mask=mask)
+    assert torch.equal(A2, A.detach())
+    assert torch.equal(L2, L.detach())
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_huge_keys_and_values(dtype):
+    # exp(1e4) overflows even float64; the scan only exponentiates non-positive numbers.
+    k, v = _inputs(2, 70, 3, scale=1e4, dtype=dtype)
+    v = (v.detach() * 1e4).requires_grad_()
+    decay = torch.rand(3, dtype=dtype) * 10
+    # float32 keys of size 1e4 carry an absolute error ~1e-3 into every exponent.
+    tol = {} if dtype == F64 else {"atol": 20.0, "rtol": 1e-2}
+    _compare(k, v, decay=decay, **tol)
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_increasing_keys_largest_last(dtype):
+    # A causal output must not be normalised by future keys: with keys rising to 1e4, a global
+    # maximum would underflow every early term to 0/0.
+    T = 100
+    k = torch.linspace(0, 1e4, T, dtype=dtype)[None, :, None].expand(2, T, 3).contiguous()
+    v = torch.randn(2, T, 3, dtype=dtype)
+    L, A = stable_prefix_average(k, v)
+    assert torch.isfinite(L).all() and torch.isfinite(A).all()
+    assert_close("A_0", A[:, 0], v[:, 0])
+    assert_close("L_0", L[:, 0], k[:, 0])
+    # Steps of ~101 between keys: each position is its own value up to exp(-101).
+    assert_close("A", A, v, atol=1e-6, rtol=1e-6)
+
+
+def test_huge_decay():
+    k, v = _inputs(2, 33, 3)
+    decay = torch.tensor([1e4, 1e30, 0.5], dtype=F64)
+    _compare(k, v, decay=decay.requires_grad_())
+    L, A = stable_prefix_average(k, v, decay=decay)
+    assert_close("A (no memory)", A[..., :2], v[..., :2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("scale", [3.0, 1e4])
+def test_low_precision_inputs(dtype, scale):
+    k, v = _inputs(2, 50, 5, scale=scale, dtype=dtype, grad=False)
+    decay = torch.rand(5).to(dtype)
+    L, A = stable_prefix_average(k, v, decay=decay)
+    assert L.dtype == dtype and A.dtype == dtype
+    L0, A0 = stable_prefix_average_reference(k.double(), v.double(), decay=decay.double())
+    assert_close("A", A, A0)
+    # L is rounded to the output dtype: relative error of its ulp.
+    assert_close("L", L, L0, atol=1e-2, rtol=1e-2)
+
+
+def test_low_precision_backward_is_finite():
+    k = (torch.randn(2, 40, 3) * 1e4).to(torch.bfloat16).requires_grad_()
+    v = torch.randn(2, 40, 3).to(torch.bfloat16).requires_grad_()
+    L, A = stable_prefix_average(k, v)
+    (L.float().sum() + A.float().sum()).backward()
+    assert k.grad.dtype == torch.bfloat16 and torch.isfinite(k.grad).all()
+    assert torch.isfinite(v.grad).all()
+
+
+def test_empty_sequence():
+    L, A = stable_prefix_average(torch.zeros(2, 0, 3), torch.zeros(2, 0, 3))
+    assert L.shape == (2, 0, 3) and A.shape == (2, 0, 3)
+
+
+def test_bad_inputs():
+    k, v = torch.zeros(2, 5, 3), torch.zeros(2, 5, 3)
+    with pytest.raises(ValueError, match="'k'"):
+        stable_prefix_average(torch.zeros(5, 3), v)
+    with pytest.raises(ValueError, match="'v'"):
+        stable_prefix_average(k, torch.zeros(2, 5, 4))
+    with pytest.raises(TypeError, match="'v'"):
+        stable_prefix_average(k, v.double())
+    with pytest.raises(TypeError, match="'k'"):
+        stable_prefix_average(k.long(), v)
+    with pytest.raises(ValueError, match="'decay'"):
+        stable_prefix_average(k, v, decay=torch.zeros(4))
+    with pytest.raises(ValueError, match="'padding_mask'"):
+        stable_prefix_average(k, v, padding_mask=torch.ones(2, 4, dtype=torch.bool))
+    with pytest.raises(TypeError, match="'padding_mask'"):
+        stable_prefix_average(k, v, padding_mask=torch.ones(2, 5))
+    with pytest.raises(ValueError, match="'v'"):
+        stable_prefix_average(k, torch.zeros(2, 5, 3, device="meta"))
