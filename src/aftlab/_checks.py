@@ -21,7 +21,12 @@ __all__ = [
 
 
 def _fmt(shape: Sequence[int | None]) -> str:
-    return "(" + ", ".join("*" if s is None else str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
+    return (
+        "("
+        + ", ".join("*" if s is None else str(s) for s in shape)
+        + ("," if len(shape) == 1 else "")
+        + ")"
+    )
 
 
 def check_tensor(
@@ -62,16 +67,24 @@ def check_tensor(
                 f"{where}: '{name}' must have {want} dimensions{extra}, "
                 f"got {value.dim()} with shape {_fmt(value.shape)}"
             )
-    if shape is not None and any(s is not None and s != v for s, v in zip(shape, value.shape)):
-        raise ValueError(f"{where}: '{name}' must have shape {_fmt(shape)}, got {_fmt(value.shape)}")
+    if shape is not None and any(
+        s is not None and s != v for s, v in zip(shape, value.shape, strict=True)
+    ):
+        raise ValueError(
+            f"{where}: '{name}' must have shape {_fmt(shape)}, got {_fmt(value.shape)}"
+        )
     if floating and not value.is_floating_point():
-        raise TypeError(f"{where}: '{name}' must be a floating-point tensor, got dtype {value.dtype}")
+        raise TypeError(
+            f"{where}: '{name}' must be a floating-point tensor, got dtype {value.dtype}"
+        )
     if dtype is not None and value.dtype != dtype:
         raise TypeError(f"{where}: '{name}' must have dtype {dtype}, got {value.dtype}")
     return value
 
 
-def check_same_shape(where: str, name: str, value: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+def check_same_shape(
+    where: str, name: str, value: torch.Tensor, ref_name: str, ref: torch.Tensor
+) -> None:
     """Raise ``ValueError`` unless ``value.shape == ref.shape``."""
     if value.shape != ref.shape:
         raise ValueError(

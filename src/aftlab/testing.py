@@ -15,7 +15,7 @@ _TOL = {
 
 
 def default_tolerance(dtype: torch.dtype) -> tuple[float, float]:
-    """Return ``(atol, rtol)`` suited to comparing a result in ``dtype`` with a float64 reference."""
+    """``(atol, rtol)`` for comparing a result in ``dtype`` with a float64 reference."""
     return _TOL.get(dtype, (1e-5, 1e-4))
 
 
@@ -42,7 +42,9 @@ def assert_close(
     atol = d_atol if atol is None else atol
     rtol = d_rtol if rtol is None else rtol
     if actual.shape != expected.shape:
-        raise AssertionError(f"{name}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
+        raise AssertionError(
+            f"{name}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}"
+        )
     a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
     bad_finite = ~torch.isfinite(a) & ~(a == e)
     if bad_finite.any():

@@ -33,7 +33,7 @@ def _check_fwd_bwd(args, *, causal, padding_mask=None, atol=None, rtol=None):
     g = torch.randn(y_ref.shape, dtype=F64)
     grads = torch.autograd.grad(y, args, g.to(y.dtype))
     grads_ref = torch.autograd.grad(y_ref, ref_args, g)
-    for name, a, e in zip("qkvw", grads, grads_ref):
+    for name, a, e in zip("qkvw", grads, grads_ref, strict=True):
         assert torch.isfinite(a).all(), f"d{name} not finite"
         assert_close(f"d{name}", a, e, atol=atol, rtol=rtol)
 
@@ -120,7 +120,9 @@ def test_equals_general_bias_with_toeplitz_kernel(causal):
     for i in range(h):
         bias = _toeplitz_bias(w[i], T, causal)
         ki = k[:, :, i].expand(B, T, c)
-        assert_close(f"head {i}", y[:, :, i], _general_bias_loop(q[:, :, i], ki, v[:, :, i], bias, causal))
+        assert_close(
+            f"head {i}", y[:, :, i], _general_bias_loop(q[:, :, i], ki, v[:, :, i], bias, causal)
+        )
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -135,7 +137,9 @@ def test_equals_per_head_aft_local_with_toeplitz_bias(causal):
     for i in range(h):
         bias = _toeplitz_bias(w[i], T, causal)
         try:
-            yi = aft_local(q[:, :, i], k[:, :, i].expand(B, T, c), v[:, :, i], bias, window, causal=causal)
+            yi = aft_local(
+                q[:, :, i], k[:, :, i].expand(B, T, c), v[:, :, i], bias, window, causal=causal
+            )
         except NotImplementedError:
             pytest.skip("aftlab.ops.aft_local is not implemented yet")
         assert_close(f"head {i}", y[:, :, i], yi)
@@ -190,8 +194,11 @@ def test_padded_keys_contribute_nothing(causal):
     k2, v2 = k.clone(), v.clone()
     k2[~mask] = 1e4  # garbage at padded positions changes nothing
     v2[~mask] = 1e4
-    assert_close("y", aft_conv(q, k2, v2, w, causal=causal, padding_mask=mask),
-                 aft_conv(q, k, v, w, causal=causal, padding_mask=mask))
+    assert_close(
+        "y",
+        aft_conv(q, k2, v2, w, causal=causal, padding_mask=mask),
+        aft_conv(q, k, v, w, causal=causal, padding_mask=mask),
+    )
     kk, vv = k.clone().requires_grad_(), v.clone().requires_grad_()
     aft_conv(q, kk, vv, w, causal=causal, padding_mask=mask).sum().backward()
     assert (kk.grad[~mask] == 0).all() and (vv.grad[~mask] == 0).all()
@@ -218,7 +225,10 @@ def test_bad_input_errors_name_argument_and_shapes():
     with pytest.raises(ValueError, match=r"odd size.*'w' of shape \(2, 4\)"):
         aft_conv(q, k, v, torch.zeros(2, 4, dtype=F64))
     aft_conv(q, k, v, torch.zeros(2, 4, dtype=F64), causal=True)  # even is fine when causal
-    with pytest.raises(ValueError, match=r"'k' must have shape \(2, 5, 2, 1\) or \(2, 5, 2, 3\).*got \(2, 5, 2, 2\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"'k' must have shape \(2, 5, 2, 1\) or \(2, 5, 2, 3\).*got \(2, 5, 2, 2\)",
+    ):
         aft_conv(q, torch.zeros(2, 5, 2, 2, dtype=F64), v, w)
     with pytest.raises(ValueError, match=r"'v' must have the shape .*got \(2, 5, 2, 4\)"):
         aft_conv(q, k, torch.zeros(2, 5, 2, 4, dtype=F64), w)

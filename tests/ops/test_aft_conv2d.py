@@ -32,7 +32,7 @@ def _check_fwd_bwd(args, *, padding_mask=None, atol=None, rtol=None):
     g = torch.randn(y_ref.shape, dtype=F64)
     grads = torch.autograd.grad(y, args, g.to(y.dtype))
     grads_ref = torch.autograd.grad(y_ref, ref_args, g)
-    for name, a, e in zip("qkvw", grads, grads_ref):
+    for name, a, e in zip("qkvw", grads, grads_ref, strict=True):
         assert torch.isfinite(a).all(), f"d{name} not finite"
         assert_close(f"d{name}", a, e, atol=atol, rtol=rtol)
 
@@ -138,7 +138,12 @@ def test_bad_input_errors_name_argument_and_shapes():
         aft_conv2d(q, k, v, torch.zeros(2, 3, 5, dtype=F64))
     with pytest.raises(ValueError, match=r"'q' must have 5 dimensions.*got 4"):
         aft_conv2d(q[:, 0], k, v, w)
-    with pytest.raises(ValueError, match=r"'k' must have shape \(2, 3, 4, 2, 1\) or .*got \(2, 3, 4, 2, 2\)"):
+    with pytest.raises(
+        ValueError, match=r"'k' must have shape \(2, 3, 4, 2, 1\) or .*got \(2, 3, 4, 2, 2\)"
+    ):
         aft_conv2d(q, torch.zeros(2, 3, 4, 2, 2, dtype=F64), v, w)
-    with pytest.raises(ValueError, match=r"'padding_mask' must have shape \(2, 3, 4\), got \(2, 12\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"'padding_mask' must have 3 dimensions \(2, 3, 4\), got 2 with shape \(2, 12\)",
+    ):
         aft_conv2d(q, k, v, w, padding_mask=torch.ones(2, 12, dtype=torch.bool))

@@ -3,10 +3,10 @@
 Importing this package registers every built-in mixer.
 """
 
+from . import aft as _aft  # noqa: F401,E402  (registers the "aft-*" mixers)
+from . import attention as _attention  # noqa: F401,E402  (registers "attention", "attention-naive")
 from .base import MixerState, SequenceMixer
 from .registry import available_mixers, build_mixer, get_mixer_class, register_mixer
-from . import attention as _attention  # noqa: F401,E402  (registers "attention", "attention-naive")
-from . import aft as _aft  # noqa: F401,E402  (registers the "aft-*" mixers)
 
 __all__ = [
     "SequenceMixer",

@@ -104,7 +104,11 @@ class SequenceMixer(nn.Module):
         raise NotImplementedError
 
     def init_state(
-        self, batch_size: int, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+        self,
+        batch_size: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> MixerState:
         """Return the empty decoding state for ``batch_size`` sequences (causal mixers only)."""
         raise NotImplementedError(f"{type(self).__name__} does not support incremental decoding")

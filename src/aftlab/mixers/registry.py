@@ -17,7 +17,9 @@ def register_mixer(name: str) -> Callable[[type[SequenceMixer]], type[SequenceMi
 
     def deco(cls: type[SequenceMixer]) -> type[SequenceMixer]:
         if name in _MIXERS and _MIXERS[name] is not cls:
-            raise ValueError(f"register_mixer: name {name!r} is already taken by {_MIXERS[name].__name__}")
+            raise ValueError(
+                f"register_mixer: name {name!r} is already taken by {_MIXERS[name].__name__}"
+            )
         if not (isinstance(cls, type) and issubclass(cls, SequenceMixer)):
             raise TypeError(f"register_mixer: {cls!r} is not a SequenceMixer subclass")
         cls.name = name
@@ -60,8 +62,13 @@ def build_mixer(
     cls = get_mixer_class(name)
     try:
         return cls(
-            d_model=d_model, n_heads=n_heads, causal=causal, max_seq_len=max_seq_len,
-            dropout=dropout, bias=bias, **options,
+            d_model=d_model,
+            n_heads=n_heads,
+            causal=causal,
+            max_seq_len=max_seq_len,
+            dropout=dropout,
+            bias=bias,
+            **options,
         )
     except TypeError as e:
         if "unexpected keyword argument" in str(e):

@@ -78,7 +78,11 @@ class TransformerConfig:
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
                 _fail(name, "a positive int or None", v)
         if self.head_dim is None and self.d_model % self.n_heads:
-            _fail("n_heads", f"a divisor of d_model={self.d_model} when head_dim is not given", self.n_heads)
+            _fail(
+                "n_heads",
+                f"a divisor of d_model={self.d_model} when head_dim is not given",
+                self.n_heads,
+            )
         if self.norm not in _NORMS:
             _fail("norm", f"one of {_NORMS}", self.norm)
         if self.activation not in _ACTIVATIONS:
@@ -125,11 +129,15 @@ class TransformerConfig:
     def from_dict(cls, data: dict[str, Any]) -> TransformerConfig:
         """Build from :meth:`to_dict` output; unknown keys raise ``ValueError`` naming them."""
         if not isinstance(data, dict):
-            raise TypeError(f"TransformerConfig.from_dict: expected a dict, got {type(data).__name__}")
+            raise TypeError(
+                f"TransformerConfig.from_dict: expected a dict, got {type(data).__name__}"
+            )
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"TransformerConfig: unknown field(s) {unknown}; known fields: {sorted(known)}")
+            raise ValueError(
+                f"TransformerConfig: unknown field(s) {unknown}; known fields: {sorted(known)}"
+            )
         return cls(**data)
 
     def to_json(self) -> str:

@@ -60,7 +60,7 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _shift(x: torch.Tensor, d: int, dim: int, fill: float) -> torch.Tensor:
-    """``y[..., i, ...] = x[..., i + d, ...]`` along ``dim``; ``fill`` where ``i + d`` is out of range."""
+    """``y[..., i, ...] = x[..., i + d, ...]`` along ``dim``; ``fill`` where out of range."""
     n = x.shape[dim]
     if d == 0:
         return x
@@ -92,11 +92,15 @@ def _combine(terms: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tens
         den = den + e
         num = num + e * A
     L = ms + torch.log(den)
-    A = torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(num))
+    A = torch.where(
+        den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(num)
+    )
     return L, A
 
 
-def _scan(keys: torch.Tensor, vals: torch.Tensor, *, reverse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _scan(
+    keys: torch.Tensor, vals: torch.Tensor, *, reverse: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Stable prefix (or suffix) log-sum and average over dim 1 of ``(N, T, D)`` tensors.
 
     Runs in the dtype of ``keys`` (float64 here: log-sums of magnitude 1e4 need it).
@@ -109,7 +113,9 @@ def _scan(keys: torch.Tensor, vals: torch.Tensor, *, reverse: bool) -> tuple[tor
     return stable_prefix_average(k, vals.to(k.dtype), reverse=reverse, padding_mask=present)
 
 
-def _outside_box(keys: torch.Tensor, vals: torch.Tensor, half: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _outside_box(
+    keys: torch.Tensor, vals: torch.Tensor, half: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-sum and average of ``e^{keys} vals`` over the positions **outside** each position's box.
 
     ``keys``, ``vals``: ``(B, H, W, D)``; the box of ``(i, j)`` is ``|r - i| <= half`` and
@@ -122,10 +128,12 @@ def _outside_box(keys: torch.Tensor, vals: torch.Tensor, half: int) -> tuple[tor
     Lp, Ap = (x.reshape(B, H, W, D) for x in _scan(k2, v2, reverse=False))
     Ls, As = (x.reshape(B, H, W, D) for x in _scan(k2, v2, reverse=True))
     # in the same row: columns < j - half (prefix at j - half - 1) and > j + half (suffix)
-    row = _combine([
-        (_shift(Lp, -(half + 1), 2, _NEG_INF), _shift(Ap, -(half + 1), 2, 0.0)),
-        (_shift(Ls, half + 1, 2, _NEG_INF), _shift(As, half + 1, 2, 0.0)),
-    ])
+    row = _combine(
+        [
+            (_shift(Lp, -(half + 1), 2, _NEG_INF), _shift(Ap, -(half + 1), 2, 0.0)),
+            (_shift(Ls, half + 1, 2, _NEG_INF), _shift(As, half + 1, 2, 0.0)),
+        ]
+    )
     # ... summed over the box's rows i - half .. i + half
     terms = [
         (_shift(row[0], di, 1, _NEG_INF), _shift(row[1], di, 1, 0.0))
@@ -213,7 +221,9 @@ class _Geometry:
                 keys.reshape(B, W, h * C), vals.reshape(B, W, h * C), self.s, transpose=transpose
             )
         else:  # symmetric relation: its transpose is itself
-            L, A = _outside_box(keys.reshape(B, H, W, h * C), vals.reshape(B, H, W, h * C), self.s // 2)
+            L, A = _outside_box(
+                keys.reshape(B, H, W, h * C), vals.reshape(B, H, W, h * C), self.s // 2
+            )
         return L.reshape(B, H, W, h, C), A.reshape(B, H, W, h, C)
 
 
@@ -234,7 +244,7 @@ class _AFTConvFunction(torch.autograd.Function):
         # exact even at |K|, |w| ~ 1e4; value-weighted sums (c channels) in the compute dtype
         q, v = q.to(cdt), v.to(cdt)
         k, w = k.to(ldt), w.to(ldt)
-        c, ck = v.shape[-1], k.shape[-1]
+        ck = k.shape[-1]
         if mask is not None:
             k = k.masked_fill(~mask[..., None, None], _NEG_INF)  # padded keys: e^{-inf} = 0
         # outside the footprint: stable scans read at the footprint edges
@@ -256,7 +266,9 @@ class _AFTConvFunction(torch.autograd.Function):
             num.addcmul_(p.to(cdt), geom.window(vp, di, dj))
         valid = den > 0  # False only for a query with no valid key
         O = num / torch.where(valid, den, torch.ones_like(den)).to(cdt)  # num = 0 where not valid
-        Z = torch.where(valid, m + torch.log(den), torch.full_like(den, _NEG_INF))  # log-denominator
+        Z = torch.where(
+            valid, m + torch.log(den), torch.full_like(den, _NEG_INF)
+        )  # log-denominator
         ctx.save_for_backward(q, k, v, w, Z, O)
         ctx.geom = geom
         return (torch.sigmoid(q) * O).to(ctx.in_dtypes[0])
@@ -306,7 +318,10 @@ def _check_inputs(where: str, q, k, v, w, padding_mask, *, grid: bool):
     check_tensor(where, "v", v, ndim=nd, floating=True)
     check_tensor(where, "w", w, ndim=3 if grid else 2, floating=True)
     if v.shape != q.shape:
-        raise ValueError(f"{where}: 'v' must have the shape {lead} = {tuple(q.shape)} of 'q', got {tuple(v.shape)}")
+        raise ValueError(
+            f"{where}: 'v' must have the shape {lead} = {tuple(q.shape)} of 'q', "
+            f"got {tuple(v.shape)}"
+        )
     h, c = q.shape[-2:]
     if k.shape[:-1] != q.shape[:-1] or k.shape[-1] not in (1, c):
         raise ValueError(
@@ -316,7 +331,8 @@ def _check_inputs(where: str, q, k, v, w, padding_mask, *, grid: bool):
         )
     if w.shape[0] != h:
         raise ValueError(
-            f"{where}: 'w' must have one kernel per head, shape ({h}, ...) for 'q' {tuple(q.shape)}, "
+            f"{where}: 'w' must have one kernel per head, shape ({h}, ...) for 'q' "
+            f"{tuple(q.shape)}, "
             f"got {tuple(w.shape)}"
         )
     s = w.shape[-1]
@@ -329,7 +345,8 @@ def _check_inputs(where: str, q, k, v, w, padding_mask, *, grid: bool):
         check_tensor(where, "padding_mask", padding_mask, shape=tuple(q.shape[: nd - 2]))
         if padding_mask.dtype != torch.bool:
             raise TypeError(
-                f"{where}: 'padding_mask' must be a bool tensor (True = real token), got {padding_mask.dtype}"
+                f"{where}: 'padding_mask' must be a bool tensor (True = real token), "
+                f"got {padding_mask.dtype}"
             )
         if padding_mask.device != q.device:
             raise ValueError(
@@ -354,7 +371,8 @@ def aft_conv(
 
         Y^i_t = \sigma(Q^i_t) \odot
           \frac{\sum_{t'} e^{K^i_{t'} + w^i_{t,t'}} V^i_{t'}}{\sum_{t'} e^{K^i_{t'} + w^i_{t,t'}}},
-        \qquad w^i_{t,t'} = \begin{cases} w^i_j & t' = t + j - \ell \\ 0 & \text{otherwise}\end{cases}
+        \qquad w^i_{t,t'} = \begin{cases} w^i_j & t' = t + j - \ell \\
+                                       0 & \text{otherwise}\end{cases}
 
     with ``l = s // 2`` (non-causal, odd ``s``) or ``l = s - 1`` (causal, sums over ``t' <= t``);
     this equals the paper's ``[conv(e^K V, e^w - 1) + sum e^K V] / [conv(e^K, e^w - 1) + sum e^K]``
@@ -362,7 +380,8 @@ def aft_conv(
 
     Args:
         q: queries ``(B, T, h, c)``.
-        k: keys ``(B, T, h, 1)`` (one per head, broadcast over its ``c`` channels) or ``(B, T, h, c)``.
+        k: keys ``(B, T, h, 1)`` (one per head, broadcast over its ``c`` channels) or
+            ``(B, T, h, c)``.
         v: values ``(B, T, h, c)``.
         w: kernels ``(h, s)``; ``s`` odd unless ``causal``.
         causal: restrict every sum to ``t' <= t``.
@@ -385,7 +404,8 @@ def aft_conv(
     s = _check_inputs(where, q, k, v, w, padding_mask, grid=False)
     if not causal and s % 2 == 0:
         raise ValueError(
-            f"{where}: a non-causal kernel must have odd size s (centred), got 'w' of shape {tuple(w.shape)}"
+            f"{where}: a non-causal kernel must have odd size s (centred), "
+            f"got 'w' of shape {tuple(w.shape)}"
         )
     B, T = q.shape[:2]
     geom = _Geometry.make(1, T, s, causal=bool(causal), two_d=False)
@@ -408,7 +428,8 @@ def aft_conv2d(
 
         Y^i_{x} = \sigma(Q^i_x) \odot
           \frac{\sum_{x'} e^{K^i_{x'} + w^i_{x,x'}} V^i_{x'}}{\sum_{x'} e^{K^i_{x'} + w^i_{x,x'}}},
-        \qquad w^i_{(r,c),(r',c')} = w^i[r' - r + s/\!/2,\ c' - c + s/\!/2] \text{ in the box, else } 0
+        \qquad w^i_{(r,c),(r',c')} = w^i[r' - r + s/\!/2,\ c' - c + s/\!/2]
+        \text{ in the box, else } 0
 
     i.e. the global sum over all ``H W`` positions plus the 2-D conv correction with
     ``e^{w^i} - 1`` (the paper's ImageNet form), computed exactly (see the module docstring).
@@ -417,7 +438,8 @@ def aft_conv2d(
         q: queries ``(B, H, W, h, c)``.
         k: keys ``(B, H, W, h, 1)`` or ``(B, H, W, h, c)``.
         v: values ``(B, H, W, h, c)``.
-        w: kernels ``(h, s, s)``, odd ``s``; ``w[:, a, b]`` acts on ``(r + a - s//2, c + b - s//2)``.
+        w: kernels ``(h, s, s)``, odd ``s``; ``w[:, a, b]`` acts on
+            ``(r + a - s//2, c + b - s//2)``.
         padding_mask: bool ``(B, H, W)``, True for real positions.
 
     Returns:
@@ -431,7 +453,9 @@ def aft_conv2d(
     where = "aft_conv2d"
     s = _check_inputs(where, q, k, v, w, padding_mask, grid=True)
     if s % 2 == 0:
-        raise ValueError(f"{where}: the kernel must have odd size s (centred), got 'w' of shape {tuple(w.shape)}")
+        raise ValueError(
+            f"{where}: the kernel must have odd size s (centred), got 'w' of shape {tuple(w.shape)}"
+        )
     H, W = q.shape[1:3]
     geom = _Geometry.make(H, W, s, causal=False, two_d=True)
     return _AFTConvFunction.apply(q, k, v, w.reshape(w.shape[0], s * s), padding_mask, geom)
@@ -439,7 +463,7 @@ def aft_conv2d(
 
 # --------------------------------------------------------------------------- references
 def _biased_average_reference(q, k, v, bias, allowed):
-    """Float64 ``sigma(q_t) * sum_t' softmax_t'(k_t' + bias[t, t']) v_t'`` over ``allowed[b, t, t']``.
+    """Float64 ``sigma(q_t) sum_t' softmax_t'(k_t' + bias[t, t']) v_t'`` over ``allowed[b, t, t']``.
 
     ``q, v: (B, N, h, c)``, ``k: (B, N, h, ck)``, ``bias: (h, N, N)``, ``allowed: (B, N, N)`` bool.
     A query with no allowed key gets 0.
@@ -447,7 +471,7 @@ def _biased_average_reference(q, k, v, bias, allowed):
     q, k, v, bias = (x.double() for x in (q, k, v, bias))
     rows = []
     # unbind (not bias[:, t]) so that autograd does not build a (h, N, N) gradient per row
-    for t, (q_t, bias_t) in enumerate(zip(q.unbind(1), bias.unbind(1))):
+    for t, (q_t, bias_t) in enumerate(zip(q.unbind(1), bias.unbind(1), strict=True)):
         ok = allowed[:, t][:, :, None, None]  # (B, N, 1, 1)
         logits = (k + bias_t.T[None, :, :, None]).masked_fill(~ok, _NEG_INF)
         has = ok.any(1, keepdim=True)
@@ -470,7 +494,9 @@ def aft_conv_reference(q, k, v, w, *, causal: bool = False, padding_mask=None) -
     idx = torch.arange(T)
     j = idx[None, :] - idx[:, None] + lo  # (t, t') kernel index
     inside = (j >= 0) & (j < s)
-    bias = torch.where(inside[None], w.double()[:, j.clamp(0, s - 1)], torch.zeros((), dtype=torch.float64))
+    bias = torch.where(
+        inside[None], w.double()[:, j.clamp(0, s - 1)], torch.zeros((), dtype=torch.float64)
+    )
     allowed = torch.ones(B, T, T, dtype=torch.bool)
     if causal:
         allowed &= idx[None, :, None] >= idx[None, None, :]
@@ -480,7 +506,7 @@ def aft_conv_reference(q, k, v, w, *, causal: bool = False, padding_mask=None) -
 
 
 def aft_conv2d_reference(q, k, v, w, *, padding_mask=None) -> torch.Tensor:
-    """Float64 per-position loop straight from the formula of :func:`aft_conv2d` (slow; for tests)."""
+    """Float64 per-position loop straight from the formula of :func:`aft_conv2d` (for tests)."""
     B, H, W, h, c = q.shape
     s = w.shape[-1]
     P = s // 2
@@ -490,7 +516,9 @@ def aft_conv2d_reference(q, k, v, w, *, padding_mask=None) -> torch.Tensor:
     b = col[None, :] - col[:, None] + P
     inside = (a >= 0) & (a < s) & (b >= 0) & (b < s)
     bias = torch.where(
-        inside[None], w.double()[:, a.clamp(0, s - 1), b.clamp(0, s - 1)], torch.zeros((), dtype=torch.float64)
+        inside[None],
+        w.double()[:, a.clamp(0, s - 1), b.clamp(0, s - 1)],
+        torch.zeros((), dtype=torch.float64),
     )
     allowed = torch.ones(B, H * W, H * W, dtype=torch.bool)
     if padding_mask is not None:

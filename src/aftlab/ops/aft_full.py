@@ -134,6 +134,74 @@ def _block_factors(k, v, pad, wb, geo, blk):
     return torch.exp(bias - mw), torch.exp(kk - mk), mw, mk, col
 
 
+def _key_blocks(k, v, pad, size):
+    """Causal AFT-full keys in blocks ``j`` of ``size``, each with its own shift.
+
+    Returns a list of ``(j0, j1, m_j, M_j, X_j)``: ``m_j (B, 1, d)`` the max of the block's
+    (unpadded) keys, ``M_j = max_{j' <= j} m_j'`` the running max (what query block ``j`` may
+    see) and ``X_j = [E^K_j V_j | E^K_j]`` with ``E^K_j = exp(K_j - m_j)``, ``(B, nk, 2d)``.
+    """
+    kk = k if pad is None else k.masked_fill(~pad[..., None], float("-inf"))
+    out, run = [], None
+    for j0 in range(0, k.shape[1], size):
+        j1 = min(k.shape[1], j0 + size)
+        m = kk[:, j0:j1].amax(1, keepdim=True)
+        ek = torch.exp(kk[:, j0:j1] - _finite_or_zero(m))
+        run = m if run is None else torch.maximum(run, m)
+        out.append((j0, j1, m, run, torch.cat([ek * v[:, j0:j1], ek], -1)))
+    return out
+
+
+def _pair_scale(m_j, M_i):
+    """``exp(m_j - M_i) <= 1`` per ``(b, c)``, doubled to ``(B, 1, 2d)``; 0 for an all-padded block."""
+    sc = torch.where(torch.isfinite(m_j), torch.exp(m_j - _finite_or_zero(M_i)), 0.0)
+    return torch.cat([sc, sc], -1)
+
+
+def _causal_forward(k, v, pad, wb, geo, L, A, den):
+    """Block-triangular causal AFT-full: query block ``i`` times key blocks ``j <= i`` only,
+    ``[num | den]_i = sum_{j <= i} exp(m_j - M_i) * (E^w_{ij} @ X_j)``."""
+    B, d = k.shape[0], k.shape[2]
+    blocks = _key_blocks(k, v, pad, _CAUSAL_BLOCK)
+    for i0, i1, _, M_i, _ in blocks:
+        bias, _ = _block_bias(wb, geo, i0, i1, 0, i1)
+        mw = _finite_or_zero(bias.amax(1, keepdim=True))
+        ew = torch.exp(bias - mw)
+        acc = 0.0
+        for j0, j1, m_j, _, x_j in blocks:
+            if j0 >= i1:
+                break
+            acc = acc + torch.bmm(ew[:, j0:j1].expand(B, -1, -1), x_j) * _pair_scale(m_j, M_i)
+        den[:, i0:i1] = acc[..., d:]
+        A[:, i0:i1] = acc[..., :d] / acc[..., d:]
+        L[:, i0:i1] = torch.log(acc[..., d:]) + mw + _finite_or_zero(M_i)
+
+
+def _causal_backward(k, v, pad, wb, geo, R, S, dk, dv, dwb):
+    """Backward of :func:`_causal_forward`, the same block pairs (see the module docstring)."""
+    B, d = k.shape[0], k.shape[2]
+    blocks = _key_blocks(k, v, pad, _CAUSAL_BLOCK)
+    xt = [x.transpose(0, 1).reshape(j1 - j0, -1) for j0, j1, _, _, x in blocks]  # (nk, B * 2d)
+    ys = [torch.zeros_like(x) for *_, x in blocks]
+    for i0, i1, _, M_i, _ in blocks:
+        bias, _ = _block_bias(wb, geo, i0, i1, 0, i1)
+        ew = torch.exp(bias - _finite_or_zero(bias.amax(1, keepdim=True)))
+        rs = torch.cat([R[:, i0:i1], S[:, i0:i1]], -1)
+        left = torch.cat([R[:, i0:i1], -S[:, i0:i1]], -1)
+        for j, (j0, j1, m_j, _, _) in enumerate(blocks):
+            if j0 >= i1:
+                break
+            sc = _pair_scale(m_j, M_i)
+            ew_ij = ew[:, j0:j1]
+            ys[j] += torch.bmm(ew_ij.t().expand(B, -1, -1), rs * sc)
+            lt = (left * sc).transpose(0, 1).reshape(i1 - i0, -1)
+            dwb[i0:i1, j0:j1] = ew_ij * (lt @ xt[j].t())
+    for (j0, j1, _, _, x), y in zip(blocks, ys, strict=True):
+        ek, yr = x[..., d:], y[..., :d]
+        dv[:, j0:j1] = ek * yr
+        dk[:, j0:j1] = ek * (v[:, j0:j1] * yr - y[..., d:])
+
+
 # ----------------------------------------------------------------------------- exact rescue
 def _rescue_rows(k, v, pad, wb, geo, rows):
     """Yield ``(b, t, kpos, valid, s, m)`` chunks: exact scores ``s = K_t' + w_{t,t'}`` in float64.
@@ -197,7 +265,10 @@ class _LSEAverage(torch.autograd.Function):
         L = torch.empty_like(k)
         A = torch.empty_like(k)
         den = torch.empty_like(k)
-        for blk in _blocks(geo):
+        causal_full = geo.alpha == 0 and geo.causal
+        if causal_full:
+            _causal_forward(k, v, pad, wb, geo, L, A, den)
+        for blk in [] if causal_full else _blocks(geo):
             i0, i1, lo, hi = blk
             ew, ek, mw, mk, _ = _block_factors(k, v, pad, wb, geo, blk)
             out = torch.bmm(ew.expand(B, -1, -1), torch.cat([ek * v[:, lo:hi], ek], -1))
@@ -225,7 +296,10 @@ class _LSEAverage(torch.autograd.Function):
             R = torch.where(fast, gA / den, 0.0)
             S = torch.where(fast, (gA * A - gL) / den, 0.0)
             dk, dv, dwb = torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(wb)
-            for blk in _blocks(geo):
+            causal_full = geo.alpha == 0 and geo.causal
+            if causal_full:
+                _causal_backward(k, v, pad, wb, geo, R, S, dk, dv, dwb)
+            for blk in [] if causal_full else _blocks(geo):
                 i0, i1, lo, hi = blk
                 ew, ek, _, _, col = _block_factors(k, v, pad, wb, geo, blk)
                 rs = torch.cat([R[:, i0:i1], S[:, i0:i1]], -1)  # (B, nq, 2d)

@@ -167,36 +167,47 @@ def _scan_forward(
 
 
 # ---------------------------------------------------------------------------- backward
-def _scan_reverse_linear(gn: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """Reverse gated linear scan ``P_t = z_t + gn_t * P_{t+1}`` (``P_T = 0``), chunked.
+def _reverse_buffer(S: int, B: int, T: int, d: int, like: torch.Tensor):
+    """Buffer for :func:`_scan_reverse_` with ``S`` signals; returns ``(p, C)``.
+
+    ``p`` is ``(S + 1, B, Tp, d)`` with ``Tp`` the multiple of the chunk size ``C`` above ``T``;
+    the caller fills ``p[:S, :, :T]``. The padded tail and channel ``S`` start at 0.
+    """
+    C = _chunk_size(T)
+    Tp = -(-T // C) * C
+    p = torch.empty(S + 1, B, Tp, d, dtype=like.dtype, device=like.device)
+    p[S].zero_()
+    if Tp != T:
+        p[:S, :, T:].zero_()
+    return p, C
+
+
+def _scan_reverse_(p: torch.Tensor, gn: torch.Tensor, C: int) -> None:
+    """In place, the reverse gated linear scan ``P_t = z_t + gn_t * P_{t+1}`` (``P_T = 0``).
 
     Args:
-        gn: gates in ``[0, 1]``, ``(B, T, d)``; ``gn_t`` multiplies the next position's state.
-        z: inputs ``(S, B, T, d)`` (``S`` signals sharing the gates).
-
-    Returns:
-        ``P``, ``(S, B, T, d)`` (a new tensor).
+        p: ``(S + 1, B, Tp, d)`` from :func:`_reverse_buffer`, signals ``z`` in ``p[:S]``;
+            overwritten with ``P``. Channel ``S`` is workspace: it accumulates the chunk-local
+            gate products ``H_j = prod_{m=j}^{C-1} gn_m``.
+        gn: gates in ``[0, 1]``, ``(B, Tp, d)`` (0 on the padded tail); ``gn_t`` multiplies the
+            next position's state.
+        C: chunk size (``Tp`` is a multiple of it).
     """
-    S, B, T, d = z.shape
-    C = _chunk_size(T)
-    nC = -(-T // C)
-    Tp = nC * C
-    # Buffer: the S signals plus one channel that accumulates the gate products
-    # H_j = prod_{m=j}^{C-1} gn_m (started by placing gn_{C-1} at the chunk end).
-    p = torch.zeros(S + 1, B, Tp, d, dtype=z.dtype, device=z.device)
-    p[:S, :, :T] = z
-    g = gn if Tp == T else torch.nn.functional.pad(gn, (0, 0, 0, Tp - T))
-    pc, gc = p.view(S + 1, B, nC, C, d), g.view(B, nC, C, d)
+    S1, B, Tp, d = p.shape
+    S, nC = S1 - 1, Tp // C
+    pc, gc = p.view(S1, B, nC, C, d), gn.view(B, nC, C, d)
     pc[S, :, :, C - 1] = gc[:, :, C - 1]
     for j in range(C - 2, -1, -1):
         pc[:, :, :, j].addcmul_(gc[:, :, j], pc[:, :, :, j + 1])
     if nC > 1:
-        H0 = pc[S, :, :, 0]  # product of all gates of a chunk, (B, nC, d)
-        Pstart = _scan_reverse_linear(H0.contiguous(), pc[:S, :, :, 0].contiguous())
-        Pnext = torch.cat([Pstart[:, :, 1:], Pstart.new_zeros(S, B, 1, d)], 2)
+        # Chunk level: Pstart_c = p_0(c) + H_0(c) Pstart_{c+1}, the same scan on nC positions.
+        q, C2 = _reverse_buffer(S, B, nC, d, p)
+        q[:S, :, :nC] = pc[:S, :, :, 0]
+        g2 = torch.zeros(B, q.shape[2], d, dtype=p.dtype, device=p.device)
+        g2[:, :nC] = pc[S, :, :, 0]
+        _scan_reverse_(q, g2, C2)
+        Pnext = torch.cat([q[:S, :, 1:nC], q.new_zeros(S, B, 1, d)], 2)
         pc[:S].addcmul_(pc[S:], Pnext[:, :, :, None])
-    out = p[:S].view(S, B, Tp, d)
-    return out if Tp == T else out[:, :, :T]
 
 
 class _PrefixAverage(torch.autograd.Function):
@@ -227,25 +238,24 @@ class _PrefixAverage(torch.autograd.Function):
         k, v, lam, L, A = ctx.saved_tensors
         B, T, d = k.shape
         r = torch.sub(k, L).exp_()
-        gn = torch.empty_like(r)
-        torch.sub(1.0, r[:, 1:], out=gn[:, :-1])  # gn_t = g_{t+1} = 1 - r_{t+1}
-        gn[:, -1] = 0
-        z = torch.empty(2, B, T, d, dtype=k.dtype, device=k.device)
-        z[0] = dA
-        torch.addcmul(dL, dA, A, value=-1.0, out=z[1])  # e = dL - dA * A
-        P = _scan_reverse_linear(gn, z)
-        del z, gn
-        PA, Pe = P[0], P[1]
-        dv = r * PA if ctx.needs_input_grad[1] else None
-        dk = None
-        if ctx.needs_input_grad[0]:
-            dk = torch.addcmul(Pe, v, PA).mul_(r)
+        p, C = _reverse_buffer(2, B, T, d, k)
+        gn = torch.zeros(B, p.shape[2], d, dtype=k.dtype, device=k.device)
+        torch.sub(1.0, r[:, 1:], out=gn[:, : T - 1])  # gn_t = g_{t+1} = 1 - r_{t+1}
+        p[0, :, :T] = dA
+        torch.addcmul(dL, dA, A, value=-1.0, out=p[1, :, :T])  # e = dL - dA * A
+        _scan_reverse_(p, gn, C)
+        del gn
+        PA, Pe, work = p[0, :, :T], p[1, :, :T], p[2, :, :T]
         dlam = None
         if ctx.has_lam and ctx.needs_input_grad[2]:
-            # sum_t g_t (P^e_t + P^A_t A_{t-1}), g_t = 1 - r_t
-            acc = Pe.clone()
-            acc[:, 1:].addcmul_(PA[:, 1:], A[:, :-1])
-            dlam = -(acc.mul_(1.0 - r)).sum((0, 1))
+            # dlambda = -sum_t g_t (P^e_t + P^A_t A_{t-1}), g_t = 1 - r_t (A_{-1} = 0)
+            work[:, 0] = Pe[:, 0]
+            torch.addcmul(Pe[:, 1:], PA[:, 1:], A[:, :-1], out=work[:, 1:])
+            dlam = work.sum((0, 1)) - work.mul_(r).sum((0, 1))
+            dlam = -dlam
+        # In place in the scan's buffer: dk = r (P^e + v P^A), then dv = r P^A.
+        dk = Pe.addcmul_(v, PA).mul_(r) if ctx.needs_input_grad[0] else None
+        dv = PA.mul_(r) if ctx.needs_input_grad[1] else None
         return dk, dv, dlam
 
 

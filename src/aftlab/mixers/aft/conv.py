@@ -1,11 +1,14 @@
-r"""The ``aft-conv`` mixer: AFT-conv-h-s of Zhai et al. 2021, 1-D (causal or not) or on an image grid.
+r"""The ``aft-conv`` mixer: AFT-conv-h-s (Zhai et al. 2021), 1-D (causal or not) or on a grid.
 
 ``Q = X W^Q`` and ``V = X W^V`` are split into ``h`` heads of ``c = d / h`` channels; the key
 ``K = X W^K`` has one channel per head (``key_dim = h``), broadcast over the head's channels.
 Per head, the op is :func:`aftlab.functional.aft_conv` (or :func:`~aftlab.functional.aft_conv2d`
 when ``grid`` is set) with the paper's reparameterised kernel
 
-.. math::  w^i = \gamma^i \frac{\hat w^i - \mathrm{mean}(\hat w^i)}{\mathrm{std}(\hat w^i)} + \beta^i,
+.. math::
+
+    w^i = \gamma^i \frac{\hat w^i - \mathrm{mean}(\hat w^i)}{\mathrm{std}(\hat w^i)}
+          + \beta^i,
 
 ``gamma`` and ``beta`` initialised to 0 (so the mixer starts as AFT-simple and learns its kernel).
 """
@@ -67,7 +70,9 @@ class AFTConvMixer(AFTMixer):
         torch.Size([2, 10, 32])
     """
 
-    def __init__(self, *, kernel_size: int = 31, grid: tuple[int, int] | None = None, **common) -> None:
+    def __init__(
+        self, *, kernel_size: int = 31, grid: tuple[int, int] | None = None, **common
+    ) -> None:
         super().__init__(key_dim=common.get("n_heads", 1), **common)
         where = type(self).__name__
         h, d = self.n_heads, self.d_model
@@ -75,13 +80,20 @@ class AFTConvMixer(AFTMixer):
             raise ValueError(f"{where}: n_heads={h} must divide d_model={d}")
         s = check_positive_int(where, "kernel_size", kernel_size)
         if not self.causal and s % 2 == 0:
-            raise ValueError(f"{where}: a non-causal kernel is centred, so 'kernel_size' must be odd, got {s}")
+            raise ValueError(
+                f"{where}: a non-causal kernel is centred, so 'kernel_size' must be odd, got {s}"
+            )
         if grid is not None:
             if not (isinstance(grid, (tuple, list)) and len(grid) == 2):
                 raise ValueError(f"{where}: 'grid' must be a pair (H, W), got {grid!r}")
-            grid = (check_positive_int(where, "grid[0]", grid[0]), check_positive_int(where, "grid[1]", grid[1]))
+            grid = (
+                check_positive_int(where, "grid[0]", grid[0]),
+                check_positive_int(where, "grid[1]", grid[1]),
+            )
             if self.causal:
-                raise ValueError(f"{where}: 'grid' {grid} (2-D AFT-conv) is non-causal only; got causal=True")
+                raise ValueError(
+                    f"{where}: 'grid' {grid} (2-D AFT-conv) is non-causal only; got causal=True"
+                )
         self.kernel_size, self.grid = s, grid
         shape = (h, s) if grid is None else (h, s, s)
         stat_shape = (h,) + (1,) * (len(shape) - 1)
@@ -108,10 +120,15 @@ class AFTConvMixer(AFTMixer):
         w = self.kernel()
         dt = torch.promote_types(q.dtype, w.dtype)  # under autocast q is bf16/fp16, w float32
         lead = q.shape[:-1]
-        return q.reshape(*lead, h, c).to(dt), k.reshape(*lead, h, 1).to(dt), v.reshape(*lead, h, c).to(dt), w.to(dt)
+        return (
+            q.reshape(*lead, h, c).to(dt),
+            k.reshape(*lead, h, 1).to(dt),
+            v.reshape(*lead, h, c).to(dt),
+            w.to(dt),
+        )
 
     def forward(self, x: torch.Tensor, *, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``x: (B, T, d_model)`` -> ``(B, T, d_model)``; ``padding_mask: (B, T)`` bool, True = real."""
+        """``x: (B, T, d_model)`` -> ``(B, T, d_model)``; ``padding_mask: (B, T)``, True = real."""
         x, padding_mask = self._check_input(x, padding_mask)
         B, T, d = x.shape
         q, k, v, w = self._heads(*self.project(x))
@@ -121,21 +138,30 @@ class AFTConvMixer(AFTMixer):
             H, W = self.grid
             if T != H * W:
                 raise ValueError(
-                    f"{type(self).__name__}: sequence length {T} of 'x' {tuple(x.shape)} must equal "
+                    f"{type(self).__name__}: sequence length {T} of 'x' {tuple(x.shape)} must "
+                    "equal "
                     f"H * W = {H * W} for grid {self.grid}"
                 )
             grid_mask = None if padding_mask is None else padding_mask.reshape(B, H, W)
-            y = aft_conv2d(*(t.reshape(B, H, W, *t.shape[2:]) for t in (q, k, v)), w, padding_mask=grid_mask)
+            y = aft_conv2d(
+                *(t.reshape(B, H, W, *t.shape[2:]) for t in (q, k, v)), w, padding_mask=grid_mask
+            )
         return self.output(y.reshape(B, T, d).to(x.dtype))
 
     # ----------------------------------------------------------------- decoding
     def init_state(
-        self, batch_size: int, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+        self,
+        batch_size: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> AFTConvState:
         """Empty state: no tokens outside the footprint (``L = -inf``), an empty ring buffer."""
         where = type(self).__name__
         if not self.causal:
-            raise RuntimeError(f"{where}: init_state() needs a causal mixer; this one has causal=False")
+            raise RuntimeError(
+                f"{where}: init_state() needs a causal mixer; this one has causal=False"
+            )
         B = check_positive_int(where, "batch_size", batch_size)
         device = self.weight.device if device is None else device
         dtype = self.weight.dtype if dtype is None else dtype
@@ -174,7 +200,7 @@ class AFTConvMixer(AFTMixer):
             state.log_sum = L
         state.k_buf[:, slot] = k
         state.v_buf[:, slot] = v.to(cdt)
-        # slot r holds position t - ((t - r) mod s), acted on by kernel entry s - 1 - ((t - r) mod s)
+        # slot r holds position t - age, age = (t - r) mod s, acted on by kernel entry s - 1 - age
         age = (t - torch.arange(s, device=x.device)) % s
         j = s - 1 - age
         logits = state.k_buf + w.to(torch.float64).T[j]  # (B, s, h)
