@@ -54,6 +54,11 @@ def test_kernel_longer_than_sequence_and_size_one(causal):
     _check_fwd_bwd(_inputs(1, 6, 3, 2, 1, 1), causal=causal)
 
 
+def test_empty_sequence():
+    q, k, v, w = (a.detach() for a in _inputs(2, 0, 2, 3, 1, 3))
+    assert aft_conv(q, k, v, w).shape == (2, 0, 2, 3)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_gradcheck(causal):
     args = _inputs(1, 6, 2, 2, 1, 3)

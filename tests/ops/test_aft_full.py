@@ -54,6 +54,20 @@ def test_matches_reference(T, causal, dtype):
     _check_against_reference(_inputs(2, T, 5, dtype=dtype, extra=3), causal=causal)
 
 
+def test_causal_block_pairs(monkeypatch):
+    """Many small causal blocks: block-triangular products, running key max, padding, rescue."""
+    monkeypatch.setattr(aft_full_module, "_CAUSAL_BLOCK", (4, 4))
+    B, T, d = 2, 19, 3
+    pm = torch.ones(B, T, dtype=torch.bool)
+    pm[0, :6] = False  # whole first block padded in row 0
+    pm[1, 9:14] = False
+    q, k, v, w = _inputs(B, T, d)
+    _check_against_reference([q, k, v, w], causal=True, padding_mask=pm)
+    k = k * 1e4  # plus keys and biases far beyond exp's range
+    k[:, -1] = 3e4
+    _check_against_reference([q, k, v, w * 1e4], causal=True, padding_mask=pm)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_padding_mask(causal):
     B, T, d = 3, 9, 5

@@ -62,9 +62,9 @@ def test_deep_recursion_and_ragged_chunks(monkeypatch, chunk):
 
 
 def test_gradcheck_float64():
-    k, v = _inputs(1, 11, 2, scale=2.0)
+    k, v = _inputs(1, 10, 2, scale=2.0)  # T = 10: two chunks of 8, the second ragged
     decay = torch.rand(2, dtype=F64, requires_grad=True)
-    mask = torch.tensor([[False, False, True, True, False, True, True, True, False, True, True]])
+    mask = torch.tensor([[False, False, True, True, False, True, True, True, False, True]])
 
     def fn(k, v, decay):
         L, A = stable_prefix_average(k, v, decay=decay, padding_mask=mask)
@@ -167,6 +167,10 @@ def test_bad_inputs():
         stable_prefix_average(k.long(), v)
     with pytest.raises(ValueError, match="'decay'"):
         stable_prefix_average(k, v, decay=torch.zeros(4))
+    with pytest.raises(ValueError, match="'decay'"):
+        stable_prefix_average(k, v, decay=torch.tensor([0.0, -1.0, 0.0]))
+    with pytest.raises(ValueError, match="'decay'"):
+        stable_prefix_average(k, v, decay=torch.tensor([0.0, float("inf"), 0.0]))
     with pytest.raises(ValueError, match="'padding_mask'"):
         stable_prefix_average(k, v, padding_mask=torch.ones(2, 4, dtype=torch.bool))
     with pytest.raises(TypeError, match="'padding_mask'"):

@@ -10,23 +10,21 @@ models the report divides by the machine's limits:
 * ``mem_estimate(mode, s)``: a generous estimate of the peak memory above the inputs, used only
   to skip cases that would not fit before running them.
 
-Shapes ``s`` is a :class:`Shape` ``(B, T, d, h, esize)``: batch, length, width, heads and the
+The shape ``s`` is a :class:`Shape` ``(B, T, d, h, esize)``: batch, length, width, heads and the
 element size in bytes. Modes: ``"forward"``, ``"train"`` (forward + backward) and
 ``"decode"`` (one incremental step of the module at position ``T``).
 
-Op-level inputs (all ``(B, T, d)`` unless stated; ``c = d / h``):
+Op-level computations (``q, k, v`` are ``(B, T, d)`` unless stated; ``c = d / h``):
 
-============== ============================================================ ==================
-mixer          computation                                                  learned op inputs
-============== ============================================================ ==================
-attention-sdpa ``scaled_dot_product_attention(q, k, v)``, q, k, v (B,h,T,c)  --
-attention-naive ``softmax(q k^T / sqrt(c) [+ causal mask]) v`` by einsum      --
-aft-full       ``aft_full(q, k, v, w)``, w (T, T)                            w
-aft-local      ``aft_local_band(q, k, v, w_band, 32)``, w_band (T, 2s-1|s)  w_band
-aft-simple     ``aft_simple(q, k, v)``                                       --
-aft-conv       ``aft_conv(q, k, v, w)``, q, v (B,T,h,c), k (B,T,h,1), w (h,31) w
-aft-decay      ``aft_decay(q, k, v, decay, bonus)`` (causal only), (d,) each  decay, bonus
-============== ============================================================ ==================
+* ``attention-sdpa``: ``scaled_dot_product_attention(q, k, v)`` with q, k, v ``(B, h, T, c)``;
+* ``attention-naive``: ``softmax(q k^T / sqrt(c) [+ causal mask]) v`` by einsum;
+* ``aft-full``: ``aft_full(q, k, v, w)``, w ``(T, T)``;
+* ``aft-local``: ``aft_local_band(q, k, v, w_band, 32)``, w_band ``(T, 2s - 1)`` (``(T, s)``
+  causal), the band form the mixer uses;
+* ``aft-simple``: ``aft_simple(q, k, v)``;
+* ``aft-conv``: ``aft_conv(q, k, v, w)``, q, v ``(B, T, h, c)``, k ``(B, T, h, 1)``, w ``(h, 31)``;
+* ``aft-decay``: ``aft_decay(q, k, v, decay, bonus)``, decay and bonus ``(d,)``, causal only;
+* ``aft-full-matmul`` (:data:`MATMUL_CASE`): the dense products aft-full needs.
 
 In ``train`` mode every floating input requires a gradient (activations and learned biases
 alike), so the backward pass computes all of them.
@@ -231,8 +229,10 @@ def _full_mem(mode: str, s: Shape, causal: bool) -> float:
     return (3 * ww + 6 * n if mode == "forward" else 6 * ww + 16 * n) + 64 * 2**20
 
 
-def _band(s: Shape, causal: bool, width: int) -> int:
-    return min(s.T, width if causal else 2 * width - 1)
+def _band(s: Shape, causal: bool, window: int) -> int:
+    """Band width ``W`` of AFT-local: ``s' = min(window, T)``; ``2 s' - 1``, or ``s'`` causal."""
+    w = min(window, s.T)
+    return w if causal else 2 * w - 1
 
 
 def _local_flops(mode: str, s: Shape, causal: bool) -> float:

@@ -97,7 +97,7 @@ def evaluate_targets(result: dict) -> list[dict]:
             )
         else:
             r = a["time_median_s"] / b["time_median_s"]
-            out.append(_target("linear-growth", what, f"{r:.2f}x", r, 10, r <= 10))
+            out.append(_target("linear-growth", what, f"{r:.3g}x", r, 10, r <= 10))
 
     # 2. against SDPA at T = 4096, causal forward+backward
     for m, need in (("aft-simple", 15.0), ("aft-local", 6.0)):
@@ -110,7 +110,7 @@ def evaluate_targets(result: dict) -> list[dict]:
             out.append(_na("vs-sdpa", what, need, "needs both measured causal at T=4096"))
         else:
             r = b["time_median_s"] / a["time_median_s"]
-            out.append(_target("vs-sdpa", what, f"{r:.2f}x", r, need, r >= need))
+            out.append(_target("vs-sdpa", what, f"{r:.3g}x", r, need, r >= need))
     what = "aft-local train peak memory at T=16384 <= attention-sdpa's"
     a, b = (
         _find(rows, "aft-local", "train", 16384, causal),
@@ -147,7 +147,7 @@ def evaluate_targets(result: dict) -> list[dict]:
                 _target(
                     "near-floor",
                     what,
-                    f"{r['ratio_to_floor']:.2f}x at T={r['T']}",
+                    f"{r['ratio_to_floor']:.3g}x at T={r['T']}",
                     r["ratio_to_floor"],
                     3.0,
                     r["ratio_to_floor"] <= 3.0,
@@ -170,7 +170,7 @@ def evaluate_targets(result: dict) -> list[dict]:
     else:
         a, b = max(pairs, key=lambda p: p[0]["T"])
         r = a["time_median_s"] / b["time_median_s"]
-        out.append(_target("full-vs-matmul", what, f"{r:.2f}x at T={a['T']}", r, 1.5, r <= 1.5))
+        out.append(_target("full-vs-matmul", what, f"{r:.3g}x at T={a['T']}", r, 1.5, r <= 1.5))
     for mode in ("forward", "train"):
         what = f"causal aft-full {mode} <= 0.7x non-causal"
         pairs = [
@@ -194,7 +194,7 @@ def evaluate_targets(result: dict) -> list[dict]:
         else:
             a, b = max(pairs, key=lambda p: p[0]["T"])
             r = a["time_median_s"] / b["time_median_s"]
-            out.append(_target("causal-full", what, f"{r:.2f}x at T={a['T']}", r, 0.7, r <= 0.7))
+            out.append(_target("causal-full", what, f"{r:.3g}x at T={a['T']}", r, 0.7, r <= 0.7))
 
     # 4. decoding: a step at the last position against a step at the first
     for m in ("aft-simple", "aft-decay", "attention-sdpa"):
@@ -215,7 +215,7 @@ def evaluate_targets(result: dict) -> list[dict]:
             continue
         a, b = steps[-1], steps[0]
         r = a["time_median_s"] / b["time_median_s"]
-        meas = f"{r:.2f}x (pos {a['T']} vs {b['T']})"
+        meas = f"{r:.3g}x (pos {a['T']} vs {b['T']})"
         out.append(
             _target(
                 "decode",

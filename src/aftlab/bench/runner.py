@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from .cases import CASES, MATMUL_CASE, MODES, OpCase, Shape
-from .gate import GateResult, check_case
+from .gate import GateResult, check_case, gate_shape
 from .machine import machine_info, measure_limits
 from .measure import COMPARE_BUILDERS, CaseSpec, can_isolate, run_case, run_isolated
 
@@ -159,7 +159,8 @@ def _variants(cfg: BenchConfig) -> list[tuple[str, bool]]:
         out.append((name, cfg.causal))
         if cfg.causal and name in cfg.also_noncausal:
             out.append((name, False))
-    if "aft-full" in cfg.mixers and any(m in cfg.modes for m in ("forward", "train")):
+    wants_matmul = any(m in cfg.modes for m in ("forward", "train"))
+    if "aft-full" in cfg.mixers and MATMUL_CASE.name not in cfg.mixers and wants_matmul:
         out.append((MATMUL_CASE.name, False))
     return out
 
@@ -265,7 +266,7 @@ def run_bench(
             if mode == "decode" and name == MATMUL_CASE.name:
                 continue
             lengths = (cfg.decode_positions or cfg.lengths) if mode == "decode" else cfg.lengths
-            given_up = ""
+            given_up, last_ok = "", None
             for T in sorted(lengths):
                 s = Shape(cfg.batch, T, cfg.dim, cfg.heads, esize)
                 row = _row(
@@ -289,6 +290,19 @@ def run_bench(
                     row.update(status="skipped", note=f"{name} has no decoding module")
                 elif given_up:
                     row.update(status="skipped", note=given_up)
+                elif (
+                    last_ok is not None and _predicted(mode, T, *last_ok) > cfg.max_seconds_per_case
+                ):
+                    t_prev, T_prev = last_ok
+                    what = "building the state" if mode == "decode" else "2 calls"
+                    row.update(
+                        status="skipped",
+                        note=(
+                            f"{what} would take >= {_predicted(mode, T, t_prev, T_prev):.0f} s "
+                            f"(at least linear from {t_prev * 1e3:.3g} ms at T={T_prev}), over the "
+                            f"{cfg.max_seconds_per_case:g} s budget"
+                        ),
+                    )
                 elif row["est_peak_bytes"] > mem_limit:
                     row.update(
                         status="skipped",
@@ -306,7 +320,7 @@ def run_bench(
                         ),
                     )
                 if row["status"] is None:
-                    key = (name, mode, row["causal"], min(T, 71))
+                    key = (name, mode, row["causal"], gate_shape(s))
                     if key not in gates:
                         gates[key] = check_case(case, mode, row["causal"], s, dtype, device)
                     g = gates[key]
@@ -319,6 +333,8 @@ def run_bench(
                     _measure(row, case, cfg, s, mode, threads, isolate)
                     if row["status"] == "skipped" and _over_time(row["note"]):
                         given_up = f"skipped: T={T} already exceeded the time budget"
+                    elif row["status"] == "ok":
+                        last_ok = (row["time_median_s"], T)
                 elif row["status"] == "skipped" and _over_time(row["note"]):
                     given_up = row["note"]
                 say(_progress(row))
@@ -461,6 +477,18 @@ def _run_compare(cfg, threads, isolate, esize, limits, say) -> list[dict]:
                         given_up = f"skipped: T={T} already exceeded the time budget"
                 say(f"  compare {impl:11s} {variant:10s} {mode:7s} T={T:<6d} {_fmt_status(row)}")
     return rows
+
+
+def _predicted(mode: str, T: int, t_prev: float, T_prev: int) -> float:
+    """Lower bound of the seconds a case at ``T`` needs, from ``t_prev`` s per call at ``T_prev``.
+
+    Every mixer is at least linear in ``T``: two calls (warm-up and one timed) need at least
+    ``2 t_prev T / T_prev``. A decoding state built step by step passes positions ``T_prev`` to
+    ``T``, each step costing at least ``t_prev`` (a step's cost does not fall with position).
+    """
+    if mode == "decode":
+        return (T - T_prev) * t_prev
+    return 2 * t_prev * T / T_prev
 
 
 def _over_time(note: str | None) -> bool:

@@ -408,6 +408,8 @@ def aft_conv(
             f"got 'w' of shape {tuple(w.shape)}"
         )
     B, T = q.shape[:2]
+    if T == 0:
+        return torch.sigmoid(q) * v  # empty
     geom = _Geometry.make(1, T, s, causal=bool(causal), two_d=False)
     mask = None if padding_mask is None else padding_mask[:, None]
     y = _AFTConvFunction.apply(q[:, None], k[:, None], v[:, None], w, mask, geom)
@@ -457,6 +459,8 @@ def aft_conv2d(
             f"{where}: the kernel must have odd size s (centred), got 'w' of shape {tuple(w.shape)}"
         )
     H, W = q.shape[1:3]
+    if H * W == 0:
+        return torch.sigmoid(q) * v  # empty
     geom = _Geometry.make(H, W, s, causal=False, two_d=True)
     return _AFTConvFunction.apply(q, k, v, w.reshape(w.shape[0], s * s), padding_mask, geom)
 

@@ -51,7 +51,7 @@ from .._checks import check_compatible, check_tensor
 
 __all__ = ["aft_full", "aft_full_reference", "lse_average"]
 
-_CAUSAL_BLOCK = 256  # query rows per block of the block-triangular causal product
+_CAUSAL_BLOCK = (256, 512)  # rows per block of the causal block-triangular product: T//4, clamped
 _BAND_BLOCK = 64  # query rows per block of a banded (AFT-local) product
 _RESCUE_ELEMS = 1 << 21  # elements of one (rows, keys, d) float64 chunk of the exact rescue
 
@@ -79,14 +79,17 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 # ----------------------------------------------------------------------------- blocks
 def _blocks(geo: Geometry) -> list[tuple[int, int, int, int]]:
-    """Query blocks ``[i0, i1)`` with the key range ``[lo, hi)`` they may see."""
+    """Query blocks ``[i0, i1)`` with the key range ``[lo, hi)`` they may see.
+
+    Non-causal AFT-full is one block; AFT-local's band is cut in blocks of ``_BAND_BLOCK``
+    queries (causal AFT-full uses :func:`_causal_forward` instead).
+    """
     T = geo.T
-    if geo.alpha == 0 and not geo.causal:
+    if geo.alpha == 0:
         return [(0, T, 0, T)]
-    size = _CAUSAL_BLOCK if geo.alpha == 0 else _BAND_BLOCK
     out = []
-    for i0 in range(0, T, size):
-        i1 = min(T, i0 + size)
+    for i0 in range(0, T, _BAND_BLOCK):
+        i1 = min(T, i0 + _BAND_BLOCK)
         lo = max(0, geo.alpha * i0 - geo.beta)
         hi = min(T, geo.alpha * (i1 - 1) + geo.W - geo.beta)
         if geo.causal:
@@ -152,8 +155,13 @@ def _key_blocks(k, v, pad, size):
     return out
 
 
+def _causal_block_size(T: int) -> int:
+    lo, hi = _CAUSAL_BLOCK
+    return min(hi, max(lo, T // 4))
+
+
 def _pair_scale(m_j, M_i):
-    """``exp(m_j - M_i) <= 1`` per ``(b, c)``, doubled to ``(B, 1, 2d)``; 0 for an all-padded block."""
+    """``exp(m_j - M_i) <= 1`` per ``(b, c)`` as ``(B, 1, 2d)``; 0 for an all-padded block."""
     sc = torch.where(torch.isfinite(m_j), torch.exp(m_j - _finite_or_zero(M_i)), 0.0)
     return torch.cat([sc, sc], -1)
 
@@ -162,7 +170,7 @@ def _causal_forward(k, v, pad, wb, geo, L, A, den):
     """Block-triangular causal AFT-full: query block ``i`` times key blocks ``j <= i`` only,
     ``[num | den]_i = sum_{j <= i} exp(m_j - M_i) * (E^w_{ij} @ X_j)``."""
     B, d = k.shape[0], k.shape[2]
-    blocks = _key_blocks(k, v, pad, _CAUSAL_BLOCK)
+    blocks = _key_blocks(k, v, pad, _causal_block_size(k.shape[1]))
     for i0, i1, _, M_i, _ in blocks:
         bias, _ = _block_bias(wb, geo, i0, i1, 0, i1)
         mw = _finite_or_zero(bias.amax(1, keepdim=True))
@@ -180,7 +188,7 @@ def _causal_forward(k, v, pad, wb, geo, L, A, den):
 def _causal_backward(k, v, pad, wb, geo, R, S, dk, dv, dwb):
     """Backward of :func:`_causal_forward`, the same block pairs (see the module docstring)."""
     B, d = k.shape[0], k.shape[2]
-    blocks = _key_blocks(k, v, pad, _CAUSAL_BLOCK)
+    blocks = _key_blocks(k, v, pad, _causal_block_size(k.shape[1]))
     xt = [x.transpose(0, 1).reshape(j1 - j0, -1) for j0, j1, _, _, x in blocks]  # (nk, B * 2d)
     ys = [torch.zeros_like(x) for *_, x in blocks]
     for i0, i1, _, M_i, _ in blocks:

@@ -38,8 +38,6 @@ computed in float32 and returned in their own dtype.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .._checks import check_compatible, check_tensor
@@ -95,14 +93,14 @@ def stable_prefix_average_reference(
 
 # ---------------------------------------------------------------------------- chunk size
 def _chunk_size(T: int) -> int:
-    """Chunk length ``C``: about ``sqrt(T)`` (a power of two in [8, 64]).
+    """Chunk length ``C`` (16, or ``T`` if shorter).
 
-    Each chunk step is a handful of vectorised ops on ``(B, T / C, d)``; the chunk summaries
-    recurse. ``C = 64`` measured best at ``T >= 4096`` (docs/aft-scan.md).
+    Each level of the recursion runs ``C`` steps of a few vectorised ops over ``1 / C`` of the
+    positions and hands ``T / C`` summaries to the next level, so the work is about
+    ``T (1 + 1/C + 1/C^2 + ...)`` while the number of ops is ``~ C log_C T``: a small ``C``
+    means fewer (and larger) ops. See docs/aft-scan.md for the measurements.
     """
-    if T <= 8:
-        return max(T, 1)
-    return int(min(64, max(8, 2 ** math.ceil(math.log2(math.sqrt(T))))))
+    return max(1, min(T, 16))
 
 
 def _neg(dtype: torch.dtype) -> float:
@@ -228,7 +226,7 @@ class _PrefixAverage(torch.autograd.Function):
     @staticmethod
     def forward(ctx, k, v, lam):  # noqa: D102
         L, A = _scan_forward(k, v, lam)
-        ctx.save_for_backward(k, v, lam if lam is not None else None, L, A)
+        ctx.save_for_backward(k, v, lam, L, A)
         ctx.has_lam = lam is not None
         return L, A
 
@@ -276,7 +274,8 @@ def stable_prefix_average(
         k: keys ``(B, T, d)``, floating point, finite (magnitudes far beyond ``exp``'s range are
             fine; keys below about ``-finfo.max / 8`` are not supported).
         v: values ``(B, T, d)``, same dtype and device as ``k``.
-        decay: per-channel ``lambda >= 0``, ``(d,)``; ``None`` for no decay. Differentiable.
+        decay: per-channel ``lambda >= 0`` (finite), ``(d,)``; ``None`` for no decay.
+            Differentiable.
         reverse: sum over ``t' >= t`` (with ``(t' - t) lambda``) instead.
         padding_mask: bool ``(B, T)``, True for real tokens; False keys contribute nothing.
 
@@ -295,6 +294,11 @@ def stable_prefix_average(
         check_tensor(where, "decay", decay, shape=(k.shape[2],), floating=True)
         if decay.device != k.device:
             raise ValueError(f"{where}: 'decay' is on {decay.device} but 'k' is on {k.device}")
+        if bool((decay < 0).any() | ~torch.isfinite(decay).all()):
+            raise ValueError(
+                f"{where}: 'decay' must be finite and >= 0 in every channel, "
+                f"got min {decay.min().item():g}"
+            )
     if padding_mask is not None:
         check_tensor(where, "padding_mask", padding_mask, shape=tuple(k.shape[:2]))
         if padding_mask.dtype != torch.bool:
