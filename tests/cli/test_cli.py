@@ -165,6 +165,9 @@ def test_plot_writes_figures_or_says_matplotlib_is_missing(trained_run, tmp_path
 
 
 def test_bench_delegates_or_says_it_is_missing(capsys, monkeypatch):
+    import aftlab.bench
+
     monkeypatch.setitem(sys.modules, "aftlab.bench.cli", None)  # as if not installed
+    monkeypatch.delattr(aftlab.bench, "cli", raising=False)
     assert main(["bench"]) == 2
     assert "aftlab.bench.cli is missing" in _error_line(capsys)

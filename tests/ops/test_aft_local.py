@@ -5,7 +5,7 @@ import torch
 
 from aftlab.functional import aft_full, aft_local, aft_simple
 from aftlab.ops.aft_full import aft_full_reference
-from aftlab.ops.aft_local import aft_local_reference, band_of
+from aftlab.ops.aft_local import aft_local_band, aft_local_reference, band_of
 from aftlab.testing import assert_close
 
 
@@ -159,5 +159,11 @@ def test_bad_inputs():
         aft_local(q, k[:1], v, w, 3)
     with pytest.raises(TypeError, match=r"'v' has dtype torch.float64"):
         aft_local(q, k, v.double(), w, 3)
+    with pytest.raises(ValueError, match=r"'w_band' must have shape \(7, 5\), got \(7, 3\)"):
+        aft_local_band(q, k, v, band_of(w, 7, 2), 3)
+    with pytest.raises(TypeError, match=r"'w_band' has dtype torch.float64"):
+        aft_local_band(q, k, v, band_of(w, 7, 3).double(), 3)
+    with pytest.raises(ValueError, match=r"'k' must have shape \(2, 7, 4\) like 'q'"):
+        aft_local_band(q, k[:, :6], v, band_of(w, 7, 3), 3)
     with pytest.raises(ValueError, match=r"'padding_mask' must have 2 dimensions \(2, 7\), got 1"):
         aft_local(q, k, v, w, 3, padding_mask=torch.ones(7, dtype=torch.bool))

@@ -99,6 +99,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="add aft-pytorch's AFTFull and AFTSimple beside ours (needs the package)",
     )
     parser.add_argument(
+        "--max-total-minutes",
+        type=float,
+        default=None,
+        help="skip the remaining cases once the run has taken this long (default: no limit)",
+    )
+    parser.add_argument(
         "--compare-lengths",
         default=None,
         help="lengths of the aft-pytorch comparison (default: the lengths up to 4096)",
@@ -134,6 +140,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         max_memory_gb=args.max_memory_gb,
         isolate=False if args.no_isolate else None,
         compare_aft_pytorch=args.compare_aft_pytorch,
+        max_total_minutes=args.max_total_minutes,
         compare_lengths=None
         if args.compare_lengths is None
         else _int_list("compare-lengths", args.compare_lengths),
@@ -144,9 +151,25 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return cfg
 
 
+def _usage_error(message: str) -> ValueError:
+    """The ``ValueError`` subclass ``aftlab``'s CLI prints as one line (exit 2), if present."""
+    try:
+        from ..train.errors import UsageError
+    except ImportError:  # pragma: no cover - the train package ships with aftlab
+        return ValueError(message)
+    return UsageError(message)
+
+
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
-    """Run the benchmark; 0 when every case ran or was skipped with a note, 1 if any failed."""
-    cfg = config_from_args(args)
+    """Run the benchmark; 0 when every case ran or was skipped with a note, 1 if any failed.
+
+    Raises:
+        ValueError: bad options (one line, naming the option).
+    """
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        raise _usage_error(str(e)) from None
     result = run_bench(cfg, argv=argv)
     return 1 if any(r["status"] in ("failed", "error") for r in result["results"]) else 0
 

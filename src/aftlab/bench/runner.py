@@ -63,6 +63,8 @@ class BenchConfig:
         compare_aft_pytorch: add the module-level comparison with the ``aft-pytorch`` package.
         compare_lengths: lengths of that comparison; default: ``lengths`` up to 4096 (its
             AFTFull materialises ``exp(w)``, ``T x T``, twice per call).
+        max_total_minutes: once the run has taken this long, the remaining cases are skipped
+            with a note (cases run in the order of ``mixers``).
         limits_size: ``"full"`` or ``"tiny"`` (tests) for the machine-limit measurements.
         seed: seed of the random inputs.
         out: output directory, or None to write nothing.
@@ -87,6 +89,7 @@ class BenchConfig:
     isolate: bool | None = None
     compare_aft_pytorch: bool = False
     compare_lengths: list[int] | None = None
+    max_total_minutes: float | None = None
     limits_size: str = "full"
     seed: int = 0
     out: str | os.PathLike | None = None
@@ -134,6 +137,10 @@ class BenchConfig:
             raise ValueError(
                 f"bench: --max-seconds-per-case must be > 0, got {self.max_seconds_per_case}"
             )
+        if self.max_total_minutes is not None and not self.max_total_minutes > 0:
+            raise ValueError(
+                f"bench: --max-total-minutes must be > 0, got {self.max_total_minutes}"
+            )
         if self.max_memory_gb is not None and not self.max_memory_gb > 0:
             raise ValueError(f"bench: --max-memory-gb must be > 0, got {self.max_memory_gb}")
         if self.limits_size not in ("full", "tiny"):
@@ -154,14 +161,15 @@ def _max_memory_bytes(cfg: BenchConfig, device: torch.device) -> float:
 
 
 def _variants(cfg: BenchConfig) -> list[tuple[str, bool]]:
+    """(case, causal) in the order of ``cfg.mixers``; aft-full's matrix products right after it."""
+    wants_matmul = any(m in cfg.modes for m in ("forward", "train"))
     out = []
     for name in cfg.mixers:
         out.append((name, cfg.causal))
         if cfg.causal and name in cfg.also_noncausal:
             out.append((name, False))
-    wants_matmul = any(m in cfg.modes for m in ("forward", "train"))
-    if "aft-full" in cfg.mixers and MATMUL_CASE.name not in cfg.mixers and wants_matmul:
-        out.append((MATMUL_CASE.name, False))
+        if name == "aft-full" and wants_matmul and MATMUL_CASE.name not in cfg.mixers:
+            out.append((MATMUL_CASE.name, False))
     return out
 
 
@@ -290,19 +298,8 @@ def run_bench(
                     row.update(status="skipped", note=f"{name} has no decoding module")
                 elif given_up:
                     row.update(status="skipped", note=given_up)
-                elif (
-                    last_ok is not None and _predicted(mode, T, *last_ok) > cfg.max_seconds_per_case
-                ):
-                    t_prev, T_prev = last_ok
-                    what = "building the state" if mode == "decode" else "2 calls"
-                    row.update(
-                        status="skipped",
-                        note=(
-                            f"{what} would take >= {_predicted(mode, T, t_prev, T_prev):.0f} s "
-                            f"(at least linear from {t_prev * 1e3:.3g} ms at T={T_prev}), over the "
-                            f"{cfg.max_seconds_per_case:g} s budget"
-                        ),
-                    )
+                elif _out_of_time(cfg, t0):
+                    row.update(status="skipped", note=_TOTAL_NOTE.format(cfg.max_total_minutes))
                 elif row["est_peak_bytes"] > mem_limit:
                     row.update(
                         status="skipped",
@@ -316,6 +313,19 @@ def run_bench(
                         status="skipped",
                         note=(
                             f"2 calls at the floor ({row['floor_s']:.2f} s each) exceed the "
+                            f"{cfg.max_seconds_per_case:g} s budget"
+                        ),
+                    )
+                elif (
+                    last_ok is not None and _predicted(mode, T, *last_ok) > cfg.max_seconds_per_case
+                ):
+                    t_prev, T_prev = last_ok
+                    what = "building the state" if mode == "decode" else "2 calls"
+                    row.update(
+                        status="skipped",
+                        note=(
+                            f"{what} would take >= {_predicted(mode, T, t_prev, T_prev):.0f} s "
+                            f"(at least linear from {t_prev * 1e3:.3g} ms at T={T_prev}), over the "
                             f"{cfg.max_seconds_per_case:g} s budget"
                         ),
                     )
@@ -340,7 +350,9 @@ def run_bench(
                 say(_progress(row))
 
     compare = (
-        _run_compare(cfg, threads, isolate, esize, limits, say) if cfg.compare_aft_pytorch else []
+        _run_compare(cfg, threads, isolate, esize, limits, say, t0)
+        if cfg.compare_aft_pytorch
+        else []
     )
     from .report import evaluate_targets, write_report
 
@@ -418,7 +430,7 @@ def _measure(
         row["note"] = f"{len(times)} of {cfg.repeats} repeats within the time budget"
 
 
-def _run_compare(cfg, threads, isolate, esize, limits, say) -> list[dict]:
+def _run_compare(cfg, threads, isolate, esize, limits, say, t0) -> list[dict]:
     try:
         import aft_pytorch  # noqa: F401
     except ImportError:
@@ -454,6 +466,8 @@ def _run_compare(cfg, threads, isolate, esize, limits, say) -> list[dict]:
                 ) + 30 * cfg.batch * T * cfg.dim * esize
                 if given_up:
                     row.update(status="skipped", note=given_up)
+                elif _out_of_time(cfg, t0):
+                    row.update(status="skipped", note=_TOTAL_NOTE.format(cfg.max_total_minutes))
                 elif est > _max_memory_bytes(cfg, torch.device(cfg.device)):
                     row.update(
                         status="skipped", note=f"estimated peak {est / 2**30:.2f} GiB too large"
@@ -477,6 +491,15 @@ def _run_compare(cfg, threads, isolate, esize, limits, say) -> list[dict]:
                         given_up = f"skipped: T={T} already exceeded the time budget"
                 say(f"  compare {impl:11s} {variant:10s} {mode:7s} T={T:<6d} {_fmt_status(row)}")
     return rows
+
+
+_TOTAL_NOTE = "the run reached --max-total-minutes {:g} before this case"
+
+
+def _out_of_time(cfg: BenchConfig, t0: float) -> bool:
+    return (
+        cfg.max_total_minutes is not None and time.perf_counter() - t0 > 60 * cfg.max_total_minutes
+    )
 
 
 def _predicted(mode: str, T: int, t_prev: float, T_prev: int) -> float:

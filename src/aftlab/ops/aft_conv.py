@@ -37,7 +37,10 @@ How it is computed, exactly for any finite input (no ``exp`` of an unshifted qua
 
 Cost: time ``O(T s d)`` (``O(HW s^2 d)`` in 2-D), memory ``O(T d)``: loops over the ``s``
 kernel offsets on ``(B, T, h, c)`` tensors; nothing of size ``T x s x d`` is ever stored.
-fp16/bf16 inputs are computed in float32, float64 in float64; the result has ``q``'s dtype.
+Log-domain quantities (keys, kernel, shifts, log-sums and the scans: ``ck`` channels per head)
+are carried in float64, so ``K + w - m`` is exact even at ``|K|, |w| ~ 1e4`` (in float32 it would
+already be off by ~1e-3); value-weighted sums are in float32 for fp16/bf16/float32 inputs and
+float64 for float64 ones. The result has ``q``'s dtype.
 """
 
 from __future__ import annotations
@@ -213,18 +216,34 @@ class _Geometry:
     def interior(self, xp: torch.Tensor) -> torch.Tensor:
         return self.window(xp, 0, 0)
 
-    def outside(self, keys: torch.Tensor, vals: torch.Tensor, *, transpose: bool):
-        """Outside-footprint ``(L, A)`` of ``keys, vals: (B, H, W, h, C)`` (same shape)."""
+    def outside(
+        self, keys: torch.Tensor, vals: torch.Tensor, *, transpose: bool, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Outside-footprint log-sum and average of ``e^{keys} vals``.
+
+        ``keys: (B, H, W, h, ck)`` (log domain), ``vals: (B, H, W, h, C)`` with ``C`` a multiple
+        of ``ck``; key channel ``n`` weighs value channels ``n, n + ck, ...`` (``ck = 1``: all).
+        Returns ``L: (B, H, W, h, ck)`` in ``keys``' dtype and ``A: (B, H, W, h, C)`` in
+        ``dtype``. Runs a quarter of the heads at a time to bound the scans' temporaries.
+        """
         B, H, W, h, C = vals.shape
-        if self.causal:
-            L, A = _outside_causal(
-                keys.reshape(B, W, h * C), vals.reshape(B, W, h * C), self.s, transpose=transpose
-            )
-        else:  # symmetric relation: its transpose is itself
-            L, A = _outside_box(
-                keys.reshape(B, H, W, h * C), vals.reshape(B, H, W, h * C), self.s // 2
-            )
-        return L.reshape(B, H, W, h, C), A.reshape(B, H, W, h, C)
+        ck = keys.shape[-1]
+        group = -(-h // 4)
+        Ls, As = [], []
+        for h0 in range(0, h, group):
+            vg = vals[:, :, :, h0 : h0 + group].to(keys.dtype)
+            kg = keys[:, :, :, h0 : h0 + group]
+            kg = kg.expand(vg.shape) if ck == 1 else kg.repeat(1, 1, 1, 1, C // ck)
+            D = vg.shape[3] * C
+            if self.causal:
+                L, A = _outside_causal(
+                    kg.reshape(B, W, D), vg.reshape(B, W, D), self.s, transpose=transpose
+                )
+            else:  # symmetric relation: its transpose is itself
+                L, A = _outside_box(kg.reshape(B, H, W, D), vg.reshape(B, H, W, D), self.s // 2)
+            Ls.append(L.reshape(vg.shape)[..., :ck])
+            As.append(A.reshape(vg.shape).to(dtype))
+        return torch.cat(Ls, 3), torch.cat(As, 3)
 
 
 def _reduce_to(x: torch.Tensor, ck: int) -> torch.Tensor:
@@ -244,12 +263,10 @@ class _AFTConvFunction(torch.autograd.Function):
         # exact even at |K|, |w| ~ 1e4; value-weighted sums (c channels) in the compute dtype
         q, v = q.to(cdt), v.to(cdt)
         k, w = k.to(ldt), w.to(ldt)
-        ck = k.shape[-1]
         if mask is not None:
             k = k.masked_fill(~mask[..., None, None], _NEG_INF)  # padded keys: e^{-inf} = 0
         # outside the footprint: stable scans read at the footprint edges
-        L_out, A_out = geom.outside(k.expand_as(v), v, transpose=False)
-        L_out = L_out[..., :ck]  # identical over a head's channels when ck == 1
+        L_out, A_out = geom.outside(k, v, transpose=False, dtype=cdt)
         kp, vp = geom.pad(k, _NEG_INF), geom.pad(v, 0.0)
         wb = w.view(1, 1, 1, *w.shape, 1)  # (1, 1, 1, h, n, 1)
         # pass 1: per-(t, channel) shift m_t = max(L_out, max_j K_{t+j} + w_j)
@@ -259,16 +276,15 @@ class _AFTConvFunction(torch.autograd.Function):
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         # pass 2: den = sum e^{K + w - m}, num = sum e^{K + w - m} V (every exponent <= 0)
         den = torch.exp(L_out - m)
-        num = den.to(cdt) * A_out.to(cdt)
+        num = den.to(cdt) * A_out
         for di, dj, n in geom.offsets:
             p = torch.exp(geom.window(kp, di, dj) + wb[..., n, :] - m)
             den = den + p
             num.addcmul_(p.to(cdt), geom.window(vp, di, dj))
         valid = den > 0  # False only for a query with no valid key
         O = num / torch.where(valid, den, torch.ones_like(den)).to(cdt)  # num = 0 where not valid
-        Z = torch.where(
-            valid, m + torch.log(den), torch.full_like(den, _NEG_INF)
-        )  # log-denominator
+        # Z_t = m_t + log(den_t): the log of the denominator (-inf for a query with no key)
+        Z = torch.where(valid, m + torch.log(den), torch.full_like(den, _NEG_INF))
         ctx.save_for_backward(q, k, v, w, Z, O)
         ctx.geom = geom
         return (torch.sigmoid(q) * O).to(ctx.in_dtypes[0])
@@ -286,10 +302,8 @@ class _AFTConvFunction(torch.autograd.Function):
         Dt = _reduce_to(dO * O, ck)  # D_t = dO_t . O_t (over the channels sharing a key)
         # outside part: key t' gets sum over queries t whose footprint excludes t' of
         # e^{K_t' - Z_t} [dO_t, D_t]: a stable scan with keys -Z_t, read at the transposed edge
-        negZ = -Z
-        keys = torch.cat([negZ.expand_as(dO), negZ], -1)
-        Lb, Ab = geom.outside(keys, torch.cat([dO, Dt], -1), transpose=True)
-        f = torch.exp(k + Lb[..., :ck])  # <= T: K_t' - Z_t <= 0 for every t
+        Lb, Ab = geom.outside(-Z, torch.cat([dO, Dt], -1), transpose=True, dtype=cdt)
+        f = torch.exp(k + Lb)  # <= T: K_t' - Z_t <= 0 for every t
         dv = (f * Ab[..., :c]).to(cdt)
         dk = _reduce_to(v * dv, ck).to(k.dtype) - f * Ab[..., c:]
         # inside the footprint: P_{t,j} = e^{K_{t+j} + w_j - Z_t}, accumulated in the query frame

@@ -299,10 +299,10 @@ class _LSEAverage(torch.autograd.Function):
             gL = torch.zeros_like(k) if gL is None else gL.contiguous()
             gA = torch.zeros_like(k) if gA is None else gA.contiguous()
             B, T, d = k.shape
-            fast = torch.ones(B, T, 1, dtype=torch.bool, device=k.device)
-            fast[rows[:, 0], rows[:, 1]] = False
-            R = torch.where(fast, gA / den, 0.0)
-            S = torch.where(fast, (gA * A - gL) / den, 0.0)
+            R, S = gA / den, (gA * A - gL) / den
+            if rows.numel():  # rescued rows are handled exactly below, not by the fast path
+                R[rows[:, 0], rows[:, 1]] = 0.0
+                S[rows[:, 0], rows[:, 1]] = 0.0
             dk, dv, dwb = torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(wb)
             causal_full = geo.alpha == 0 and geo.causal
             if causal_full:
@@ -360,7 +360,8 @@ def lse_average(
 
 # ----------------------------------------------------------------------------- public API
 def check_aft_inputs(where, q, k, v, w, padding_mask):
-    """Validate ``q, k, v (B, T, d)``, ``w (T' >= T, T' >= T)`` and ``padding_mask (B, T)``."""
+    """Validate ``q, k, v (B, T, d)``, ``w (T', T')`` with ``T' >= T`` (unless None) and
+    ``padding_mask (B, T)``."""
     check_tensor(where, "q", q, ndim=3, floating=True)
     B, T, d = q.shape
     check_tensor(where, "k", k, ndim=3, floating=True)
@@ -370,13 +371,16 @@ def check_aft_inputs(where, q, k, v, w, padding_mask):
             raise ValueError(
                 f"{where}: '{name}' must have shape {tuple(q.shape)} like 'q', got {tuple(x.shape)}"
             )
-    check_tensor(where, "w", w, ndim=2, floating=True)
-    if w.shape[0] < T or w.shape[1] < T:
-        raise ValueError(
-            f"{where}: 'w' must have shape (T', T') with T' >= T = {T} (the length of 'q'), "
-            f"got {tuple(w.shape)}"
-        )
-    check_compatible(where, {"q": q, "k": k, "v": v, "w": w})
+    named = {"q": q, "k": k, "v": v}
+    if w is not None:
+        check_tensor(where, "w", w, ndim=2, floating=True)
+        if w.shape[0] < T or w.shape[1] < T:
+            raise ValueError(
+                f"{where}: 'w' must have shape (T', T') with T' >= T = {T} (the length of 'q'), "
+                f"got {tuple(w.shape)}"
+            )
+        named["w"] = w
+    check_compatible(where, named)
     if padding_mask is not None:
         check_tensor(where, "padding_mask", padding_mask, shape=(B, T))
         if padding_mask.dtype != torch.bool:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_positive_int, check_tensor
+from .._checks import check_compatible, check_positive_int, check_tensor
 from .aft_full import (
     Geometry,
     biased_average_reference,
@@ -98,6 +98,7 @@ def aft_local_band(
         ``(B, T, d)`` in the dtype of ``q``.
     """
     where = "aft_local"
+    check_aft_inputs(where, q, k, v, None, padding_mask)
     check_positive_int(where, "window", window, allow_zero=True)
     T = q.shape[1]
     cd = compute_dtype(q.dtype)
@@ -108,6 +109,7 @@ def aft_local_band(
         if s > 0:
             geo = band_geometry(T, window, causal=causal)
             check_tensor(where, "w_band", w_band, shape=(T, geo.W), floating=True)
+            check_compatible(where, {"q": q, "w_band": w_band})
             parts.append(lse_average(kc, vc, w_band.to(cd), geo, padding_mask))
         if s < T:
             # keys t' <= t - s: prefix sums read at t - s

@@ -249,8 +249,7 @@ class _PrefixAverage(torch.autograd.Function):
             # dlambda = -sum_t g_t (P^e_t + P^A_t A_{t-1}), g_t = 1 - r_t (A_{-1} = 0)
             work[:, 0] = Pe[:, 0]
             torch.addcmul(Pe[:, 1:], PA[:, 1:], A[:, :-1], out=work[:, 1:])
-            dlam = work.sum((0, 1)) - work.mul_(r).sum((0, 1))
-            dlam = -dlam
+            dlam = -work.addcmul_(work, r, value=-1.0).sum((0, 1))  # work * (1 - r), per element
         # In place in the scan's buffer: dk = r (P^e + v P^A), then dv = r P^A.
         dk = Pe.addcmul_(v, PA).mul_(r) if ctx.needs_input_grad[0] else None
         dv = PA.mul_(r) if ctx.needs_input_grad[1] else None

@@ -25,7 +25,7 @@ class PositionBias(nn.Module):
     matrix, initialised to 0.
     """
 
-    def __init__(self, max_seq_len: int, rank: int | None) -> None:
+    def __init__(self, max_seq_len: int, *, rank: int | None) -> None:
         super().__init__()
         self.max_seq_len, self.rank = max_seq_len, rank
         if rank is None:
@@ -83,7 +83,7 @@ class AFTFull(AFTMixer):
         T_max = require_max_seq_len(where, self.max_seq_len)
         if bias_rank is not None:
             check_positive_int(where, "bias_rank", bias_rank)
-        self.pos_bias = PositionBias(T_max, bias_rank)
+        self.pos_bias = PositionBias(T_max, rank=bias_rank)
 
     def forward(self, x: torch.Tensor, *, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``x: (B, T, d_model)`` with ``T <= T_max`` -> ``(B, T, d_model)``."""
@@ -92,7 +92,13 @@ class AFTFull(AFTMixer):
         w = self.pos_bias.matrix(x.shape[1]).to(q.dtype)
         return self.output(aft_full(q, k, v, w, causal=self.causal, padding_mask=padding_mask))
 
-    def init_state(self, batch_size: int, *, device=None, dtype=None) -> AFTFullState:
+    def init_state(
+        self,
+        batch_size: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> AFTFullState:
         p = self.to_v.weight
         shape = (batch_size, self.max_seq_len, self.d_model)
         dt = compute_dtype(dtype or p.dtype)

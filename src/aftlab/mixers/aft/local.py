@@ -57,7 +57,7 @@ class AFTLocal(AFTMixer):
         self.window = check_positive_int(where, "window", window, allow_zero=True)
         if bias_rank is not None:
             check_positive_int(where, "bias_rank", bias_rank)
-        self.pos_bias = PositionBias(T_max, bias_rank)
+        self.pos_bias = PositionBias(T_max, rank=bias_rank)
 
     def band(self, T: int) -> torch.Tensor:
         """``w_band (T, W)``, ``w_band[t, j] = w[t, t + j - (s - 1)]`` (0 outside ``[0, T)``)."""
@@ -91,7 +91,13 @@ class AFTLocal(AFTMixer):
     def extra_repr(self) -> str:
         return super().extra_repr() + f", window={self.window}"
 
-    def init_state(self, batch_size: int, *, device=None, dtype=None) -> AFTLocalState:
+    def init_state(
+        self,
+        batch_size: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> AFTLocalState:
         p = self.to_v.weight
         dev, dt = device or p.device, compute_dtype(dtype or p.dtype)
         s = min(self.window, self.max_seq_len)
