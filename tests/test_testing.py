@@ -18,3 +18,13 @@ def test_assert_close_rejects_nan_and_shape_mismatch():
 
 def test_assert_close_passes_within_tolerance():
     assert_close("y", torch.tensor([1.0 + 1e-7]), torch.tensor([1.0], dtype=torch.float64))
+
+
+def test_dtype_errors_are_both_value_and_type_errors():
+    from aftlab._checks import DTypeError, check_compatible, check_tensor
+
+    with pytest.raises(ValueError, match="'k' has dtype torch.float64 but 'q' has torch.float32"):
+        check_compatible("op", {"q": torch.zeros(1), "k": torch.zeros(1, dtype=torch.float64)})
+    with pytest.raises(TypeError, match="'x' must be a floating-point tensor, got dtype torch.int64"):
+        check_tensor("op", "x", torch.zeros(1, dtype=torch.long), floating=True)
+    assert issubclass(DTypeError, ValueError) and issubclass(DTypeError, TypeError)

@@ -12,12 +12,21 @@ from collections.abc import Sequence
 import torch
 
 __all__ = [
+    "DTypeError",
     "check_tensor",
     "check_same_shape",
     "check_compatible",
     "check_positive_int",
     "check_choice",
 ]
+
+
+class DTypeError(ValueError, TypeError):
+    """A tensor of the wrong dtype, or dtypes that do not match.
+
+    Subclasses both ``ValueError`` (a mismatch between arguments) and ``TypeError`` (the
+    tensor's element type), like NumPy's ``AxisError``; either ``except`` clause catches it.
+    """
 
 
 def _fmt(shape: Sequence[int | None]) -> str:
@@ -51,7 +60,8 @@ def check_tensor(
         dtype: require exactly this dtype.
 
     Raises:
-        TypeError: ``value`` is not a tensor, or has the wrong dtype.
+        TypeError: ``value`` is not a tensor.
+        DTypeError: wrong dtype (both a ``ValueError`` and a ``TypeError``).
         ValueError: wrong rank or shape.
     """
     if not isinstance(value, torch.Tensor):
@@ -74,11 +84,11 @@ def check_tensor(
             f"{where}: '{name}' must have shape {_fmt(shape)}, got {_fmt(value.shape)}"
         )
     if floating and not value.is_floating_point():
-        raise TypeError(
+        raise DTypeError(
             f"{where}: '{name}' must be a floating-point tensor, got dtype {value.dtype}"
         )
     if dtype is not None and value.dtype != dtype:
-        raise TypeError(f"{where}: '{name}' must have dtype {dtype}, got {value.dtype}")
+        raise DTypeError(f"{where}: '{name}' must have dtype {dtype}, got {value.dtype}")
     return value
 
 
@@ -99,7 +109,7 @@ def check_compatible(where: str, named: dict[str, torch.Tensor]) -> None:
     first_name, first = items[0]
     for name, t in items[1:]:
         if t.dtype != first.dtype:
-            raise TypeError(
+            raise DTypeError(
                 f"{where}: '{name}' has dtype {t.dtype} but '{first_name}' has {first.dtype}; "
                 "all inputs must share one dtype"
             )

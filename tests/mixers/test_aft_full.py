@@ -103,6 +103,17 @@ def test_step_matches_forward(bias_rank, key_scale):
         m.step(x[:, 0], state)
 
 
+def test_autocast_bf16_trains():
+    m = build_mixer("aft-full", d_model=8, causal=True, max_seq_len=16)
+    x = torch.randn(2, 12, 8) * 30.0
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = m(x)
+    assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
+    y.float().pow(2).sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in m.parameters())
+    assert m.pos_bias.v.grad.abs().max() > 0
+
+
 def test_errors():
     with pytest.raises(ValueError, match="'max_seq_len'.*required"):
         build_mixer("aft-full", d_model=4)

@@ -186,6 +186,15 @@ def test_memory_is_linear_in_batch_times_length_times_width():
     assert growth_gib < 0.25, f"peak memory grew by {growth_gib:.2f} GiB"
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_empty_sequence(causal):
+    q = torch.randn(2, 0, 3, requires_grad=True)
+    y = aft_full(q, q, q, torch.zeros(0, 0), causal=causal)
+    assert y.shape == (2, 0, 3)
+    y.sum().backward()
+    assert q.grad.shape == (2, 0, 3)
+
+
 def test_bad_inputs():
     q, k, v, w = _inputs(2, 7, 4, dtype=torch.float32)
     with pytest.raises(ValueError, match=r"'k' must have shape \(2, 7, 4\).*\(2, 7, 3\)"):

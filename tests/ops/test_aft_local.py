@@ -147,6 +147,15 @@ def test_band_layout():
     assert band_of(w, 5, 2, causal=True)[3].tolist() == [w[3, 2], w[3, 3]]
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_empty_sequence(causal):
+    q = torch.randn(2, 0, 3, requires_grad=True)
+    y = aft_local(q, q, q, torch.zeros(0, 0), 3, causal=causal)
+    assert y.shape == (2, 0, 3)
+    y.sum().backward()
+    assert q.grad.shape == (2, 0, 3)
+
+
 def test_bad_inputs():
     q, k, v, w = _inputs(2, 7, 4, dtype=torch.float32)
     with pytest.raises(ValueError, match=r"'window' must be >= 0, got -1"):

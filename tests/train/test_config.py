@@ -17,7 +17,8 @@ def test_defaults_are_valid_and_round_trip_through_dict_and_toml(tmp_path):
 def test_toml_file_tables_and_overrides(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text(
-        'task = "digits"\nlr = 1\nbetas = [0.8, 0.99]\n[model]\nd_model = 32\n[mixer_options]\nwindow = 4\n'
+        'task = "digits"\nlr = 1\nbetas = [0.8, 0.99]\n'
+        "[model]\nd_model = 32\n[mixer_options]\nwindow = 4\n"
     )
     cfg = load_config(
         path,
@@ -99,3 +100,14 @@ def test_transformer_config_takes_task_sizes():
     tc = cfg.transformer_config(vocab_size=10, causal=False, grid=(4, 8))
     assert (tc.vocab_size, tc.max_seq_len, tc.causal, tc.mixer) == (10, 32, False, "aft-conv")
     assert tc.mixer_options == {"grid": (4, 8)} and tc.d_model == 16
+
+
+def test_example_configs_load_and_the_default_one_is_the_defaults():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "configs"
+    files = sorted(root.glob("*.toml"))
+    assert files
+    for f in files:
+        assert isinstance(load_config(f), TrainConfig)
+    assert load_config(root / "text-default.toml") == TrainConfig()

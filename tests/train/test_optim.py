@@ -41,5 +41,5 @@ def test_lr_schedule_warmup_then_cosine():
     assert lr_at(9, **kw) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
     assert lr_at(14, **kw) == pytest.approx(0.1) and lr_at(100, **kw) == pytest.approx(0.1)
     lrs = [lr_at(t, **kw) for t in range(4, 15)]
-    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+    assert all(a >= b for a, b in zip(lrs[:-1], lrs[1:], strict=True))
     assert lr_at(0, lr=1.0, min_lr=0.0, warmup=0, steps=10) == 1.0

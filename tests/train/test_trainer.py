@@ -20,7 +20,9 @@ from .helpers import ENV, TINY, run_aftlab, write_text
 
 def _losses(run_dir):
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["step"] for r in recs if r["split"] == "train"], [r["loss"] for r in recs if r["split"] == "train"]
+    return [r["step"] for r in recs if r["split"] == "train"], [
+        r["loss"] for r in recs if r["split"] == "train"
+    ]
 
 
 def _weights(run_dir):
@@ -39,11 +41,18 @@ def test_training_lowers_the_loss_and_writes_the_run(tmp_path, capsys):
     steps, losses = _losses(tmp_path / "run")
     assert steps == list(range(1, 31))
     assert losses[-1] < losses[0] - 1.0  # a byte model learns the word frequencies fast
-    assert summary["steps"] == 30 and summary["test_bpb"] == pytest.approx(summary["test_loss"] / 0.6931471805599453)
+    assert summary["steps"] == 30 and summary["test_bpb"] == pytest.approx(
+        summary["test_loss"] / 0.6931471805599453
+    )
     val = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in val if r["split"] == "val"] == [10, 20]
-    assert (tmp_path / "run" / "config.toml").is_file() and (tmp_path / "run" / "summary.json").is_file()
-    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_00000020", "step_00000030"]
+    assert (tmp_path / "run" / "config.toml").is_file() and (
+        tmp_path / "run" / "summary.json"
+    ).is_file()
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == [
+        "step_00000020",
+        "step_00000030",
+    ]
     out = capsys.readouterr().out
     assert "test bpb:" in out and "--- sample ---" in out
 
@@ -59,22 +68,45 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path):
 
 
 def test_bf16_autocast_trains(tmp_path):
-    summary = Trainer(_config(tmp_path, "steps=3", "precision='bf16'"), run_dir=tmp_path / "r").fit()
+    summary = Trainer(
+        _config(tmp_path, "steps=3", "precision='bf16'"), run_dir=tmp_path / "r"
+    ).fit()
     assert torch.isfinite(torch.tensor(summary["test_loss"])) and summary["steps"] == 3
 
 
 @pytest.mark.slow
 def test_sigkill_at_a_random_moment_then_resume_gives_the_same_weights(tmp_path):
     data = write_text(tmp_path / "data.txt")
-    args = ["train", "--data", str(data), *TINY, "--set", "checkpoint_interval=1", "--set", "keep_last=2",
-            "--set", "model.d_model=32", "--set", "seq_len=32", "--set", "sample_tokens=0", "--steps", "40"]
+    args = [
+        "train",
+        "--data",
+        str(data),
+        *TINY,
+        "--set",
+        "checkpoint_interval=1",
+        "--set",
+        "keep_last=2",
+        "--set",
+        "model.d_model=32",
+        "--set",
+        "seq_len=32",
+        "--set",
+        "sample_tokens=0",
+        "--steps",
+        "40",
+    ]
     ref = run_aftlab(*args, "--out", str(tmp_path / "ref"), cwd=tmp_path)
     assert ref.returncode == 0, ref.stderr
     seed = random.randrange(10**6)
     rng = random.Random(seed)
     kill_after = rng.randint(2, 25)
-    proc = subprocess.Popen([sys.executable, "-m", "aftlab", *args, "--out", str(tmp_path / "run")], cwd=tmp_path,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aftlab", *args, "--out", str(tmp_path / "run")],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=ENV,
+    )
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
@@ -93,20 +125,44 @@ def test_sigkill_at_a_random_moment_then_resume_gives_the_same_weights(tmp_path)
     ref_w, got_w = _weights(tmp_path / "ref"), _weights(tmp_path / "run")
     assert ref_w.keys() == got_w.keys()
     for k in ref_w:
-        assert torch.equal(ref_w[k], got_w[k]), f"{k} differs after kill at line {kill_after} (seed {seed})"
+        assert torch.equal(ref_w[k], got_w[k]), (
+            f"{k} differs after kill at line {kill_after} (seed {seed})"
+        )
 
 
 @pytest.mark.slow
 def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     data = write_text(tmp_path / "data.txt")
     out = tmp_path / "run"
-    args = ["train", "--data", str(data), *TINY, "--set", "checkpoint_interval=1000", "--set", "seq_len=32",
-            "--set", "model.d_model=32", "--steps", "100000", "--out", str(out)]
-    proc = subprocess.Popen([sys.executable, "-m", "aftlab", *args], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=ENV)
+    args = [
+        "train",
+        "--data",
+        str(data),
+        *TINY,
+        "--set",
+        "checkpoint_interval=1000",
+        "--set",
+        "seq_len=32",
+        "--set",
+        "model.d_model=32",
+        "--steps",
+        "100000",
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aftlab", *args],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
     metrics = out / "metrics.jsonl"
     deadline = time.time() + 120
-    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+    while time.time() < deadline and not (
+        metrics.exists() and metrics.read_text().count("\n") >= 3
+    ):
         time.sleep(0.01)
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=120)
@@ -125,15 +181,43 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path):
 @pytest.mark.slow
 def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
     data = write_text(tmp_path / "data.txt")
-    args = ["train", "--data", str(data), *TINY, "--set", "sample_tokens=0", "--steps", "4", "--set", "batch_size=8"]
+    args = [
+        "train",
+        "--data",
+        str(data),
+        *TINY,
+        "--set",
+        "sample_tokens=0",
+        "--steps",
+        "4",
+        "--set",
+        "batch_size=8",
+    ]
     one = run_aftlab(*args, "--out", str(tmp_path / "one"), cwd=tmp_path)
     assert one.returncode == 0, one.stderr
     env = {"MASTER_ADDR": "127.0.0.1"}
     two = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1", "--master_addr=127.0.0.1",
-         f"--master_port={random.randint(20000, 60000)}", "-m", "aftlab", *args, "--set", "grad_accum=2",
-         "--out", str(tmp_path / "two")],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**ENV, **env},
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "--nnodes=1",
+            "--master_addr=127.0.0.1",
+            f"--master_port={random.randint(20000, 60000)}",
+            "-m",
+            "aftlab",
+            *args,
+            "--set",
+            "grad_accum=2",
+            "--out",
+            str(tmp_path / "two"),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**ENV, **env},
     )
     assert two.returncode == 0, two.stderr[-3000:]
     assert "2 process(es)" in two.stderr
@@ -142,3 +226,21 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
     assert s1 == s2 == [1, 2, 3, 4]
     assert l1 == pytest.approx(l2, abs=1e-5)  # steps 2-4 see weights updated with DDP's gradients
     assert l1[0] != l1[-1]
+
+
+def test_pixel_task_is_scored_like_the_models_own_bits_per_dim():
+    pytest.importorskip("sklearn")
+    from aftlab.data import build_task
+    from aftlab.models import PixelTransformer, TransformerConfig
+    from aftlab.train.trainer import evaluate
+
+    task = build_task("digits", seq_len=64)
+    cfg = TransformerConfig(
+        vocab_size=task.vocab_size, d_model=16, n_layers=1, n_heads=2, max_seq_len=task.seq_len
+    )
+    model = PixelTransformer(cfg, image_shape=task.image_shape).eval()
+    res = evaluate(model, task, "val", batch_size=8, max_batches=1)
+    pixels = next(iter(task.eval_batches("val", batch_size=8, max_batches=1)))["target"]
+    expected = model.bits_per_dim(pixels).mean().item()
+    assert res["bits/dim"] == pytest.approx(expected, rel=1e-5)
+    assert res["targets"] == pixels.numel()

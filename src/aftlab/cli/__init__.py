@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = _Parser(
         prog="aftlab",
-        description="Train, evaluate, sample and compare Transformers and Attention Free Transformers.",
+        description="Train, evaluate, sample and compare Transformers and Attention Free "
+        "Transformers.",
     )
     parser.add_argument("--version", action="version", version=f"aftlab {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)

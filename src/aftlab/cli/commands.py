@@ -74,9 +74,12 @@ def add_train(sub) -> None:
         "train",
         help="train a model",
         description="Train a model with any mixer on a task. Without arguments: a small byte-level "
-        "Transformer on the .py sources of Python's standard library (a few minutes on 2 CPU cores), "
-        "then print the test bpc and a sample. Multi-process: torchrun --nproc_per_node=N -m aftlab train ...",
-        epilog="example: aftlab train --mixer aft-local --set mixer_options.window=32 --steps 200 --out runs/local",
+        "Transformer on the .py sources of Python's standard library (a few minutes on 2 CPU "
+        "cores), "
+        "then print the test bpc and a sample. Multi-process: torchrun --nproc_per_node=N -m "
+        "aftlab train ...",
+        epilog="example: aftlab train --mixer aft-local --set mixer_options.window=32 --steps "
+        "200 --out runs/local",
     )
     _config_args(
         p,
@@ -98,7 +101,10 @@ def _default_out(cfg) -> str:
 
 
 def resolve_train_config(args: argparse.Namespace):
-    """The config ``aftlab train`` runs: file, shortcuts, ``--set``; checked against the run on resume."""
+    """The config ``aftlab train`` runs: file, shortcuts, ``--set``.
+
+    With ``--resume`` it is checked against the run's saved config (see ``RESUMABLE_CHANGES``).
+    """
     from ..train.config import TrainConfig, apply_overrides, load_config
 
     overrides = _shortcut_overrides(args, ("task", "mixer", "data", "out", "steps")) + list(
@@ -132,7 +138,8 @@ def resolve_train_config(args: argparse.Namespace):
         else:
             was, now = old[key], new[key]
         raise UsageError(
-            f"the config does not match the run in {out!r}: {key} is {was!r} there but {now!r} here "
+            f"the config does not match the run in {out!r}: {key} is {was!r} there but {now!r} "
+            "here "
             "(drop that change to resume, or train into a new --out)"
         )
     return cfg.replace(out=str(out))
@@ -149,7 +156,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     run_dir = Path(cfg.out)
     if not args.resume and run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
         raise UsageError(
-            f"run folder {str(run_dir)!r} already exists; continue it with --resume, or choose another --out"
+            f"run folder {str(run_dir)!r} already exists; continue it with --resume, or choose "
+            "another --out"
         )
     summary = Trainer(cfg, run_dir=run_dir, resume=args.resume).fit()
     return 130 if summary.get("interrupted") else 0
@@ -203,7 +211,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     )
     metric = run.task.metric
     print(
-        f"{args.split} {metric}: {res[metric]:.4f}  (loss {res['loss']:.4f} nats over {res['targets']:,} "
+        f"{args.split} {metric}: {res[metric]:.4f}  (loss {res['loss']:.4f} nats over "
+        f"{res['targets']:,} "
         f"targets; step {run.step}, {run.config.mixer} on {run.config.task})"
     )
     return 0
@@ -276,9 +285,12 @@ def add_compare(sub) -> None:
         "compare",
         help="train one model per mixer on equal budgets and tabulate",
         description="Train one model per mixer with the same size, data and budget, then write "
-        "results.md (mixer, parameters, test metric, training tokens/s, peak memory; a unigram baseline "
-        "for text tasks), results.json and loss_curves.png into the output folder, and print the table.",
-        epilog="example: aftlab compare --task text --mixers attention,aft-local,aft-simple --steps 200",
+        "results.md (mixer, parameters, test metric, training tokens/s, peak memory; a "
+        "unigram baseline "
+        "for text tasks), results.json and loss_curves.png into the output folder, and print "
+        "the table.",
+        epilog="example: aftlab compare --task text --mixers attention,aft-local,aft-simple "
+        "--steps 200",
     )
     _config_args(
         p,

@@ -15,9 +15,11 @@ How it is computed (see docs/aft.md):
   per-channel key shift ``m^K_c = max_t' K_{t',c}`` every factor
   ``E^w = exp(w - m^w)`` and ``E^K = exp(K - m^K)`` is at most 1, and
   ``num = E^w @ (E^K * V)``, ``den = E^w @ E^K``; ``A = num / den``,
-  ``L = log(den) + m^w + m^K``. Causal queries are processed in blocks of rows; block ``i``
-  multiplies only the keys it may see (``t' < end of block``, the triangle above is skipped),
-  with ``m^K`` taken over those keys only.
+  ``L = log(den) + m^w + m^K``. Causal: rows in blocks; query block ``i`` multiplies only key
+  blocks ``j <= i`` (the triangle above the diagonal blocks is skipped, not masked), each key
+  block with its own shift ``m_j``, rescaled by ``exp(m_j - M_i) <= 1`` where
+  ``M_i = max_{j <= i} m_j`` is the max over the keys block ``i`` may see:
+  ``[num | den]_i = sum_{j <= i} exp(m_j - M_i) * (E^w_{ij} @ [E^K_j V_j | E^K_j])``.
 * **Exact rescue.** The factorised shift can exceed the true ``max_t' (K_t' + w_{t,t'})`` by
   a lot when the two maximisers differ, and ``den`` then underflows (0/0) or loses precision.
   Every row ``(b, t)`` with a ``den`` below ``sqrt(finfo.tiny)`` is recomputed exactly, in
@@ -137,22 +139,38 @@ def _block_factors(k, v, pad, wb, geo, blk):
     return torch.exp(bias - mw), torch.exp(kk - mk), mw, mk, col
 
 
-def _key_blocks(k, v, pad, size):
-    """Causal AFT-full keys in blocks ``j`` of ``size``, each with its own shift.
+def _causal_factors(k, v, pad, size):
+    """Causal AFT-full keys in ``n`` blocks of ``size`` (the last one padded), each with its shift.
 
-    Returns a list of ``(j0, j1, m_j, M_j, X_j)``: ``m_j (B, 1, d)`` the max of the block's
-    (unpadded) keys, ``M_j = max_{j' <= j} m_j'`` the running max (what query block ``j`` may
-    see) and ``X_j = [E^K_j V_j | E^K_j]`` with ``E^K_j = exp(K_j - m_j)``, ``(B, nk, 2d)``.
+    Returns ``X (B, n, size, 2d) = [E^K V | E^K]`` with ``E^K_j = exp(K_j - m_j)``, ``m_j`` the
+    max of block ``j``'s unpadded keys; the pair scales ``exp(m_j - M_i) <= 1``
+    ``(B, n_i, n_j, 2d)`` with ``M_i = max_{j <= i} m_j`` (0 for an all-padded block ``j``);
+    and ``M (B, n, d)``.
     """
-    kk = k if pad is None else k.masked_fill(~pad[..., None], float("-inf"))
-    out, run = [], None
-    for j0 in range(0, k.shape[1], size):
-        j1 = min(k.shape[1], j0 + size)
-        m = kk[:, j0:j1].amax(1, keepdim=True)
-        ek = torch.exp(kk[:, j0:j1] - _finite_or_zero(m))
-        run = m if run is None else torch.maximum(run, m)
-        out.append((j0, j1, m, run, torch.cat([ek * v[:, j0:j1], ek], -1)))
-    return out
+    B, T, d = k.shape
+    n = -(-T // size)
+    kp = k.new_full((B, n * size, d), float("-inf"))
+    kp[:, :T] = k if pad is None else k.masked_fill(~pad[..., None], float("-inf"))
+    vp = v.new_zeros((B, n * size, d))
+    vp[:, :T] = v
+    kp, vp = kp.view(B, n, size, d), vp.view(B, n, size, d)
+    m = kp.amax(2)  # (B, n, d)
+    M = _finite_or_zero(torch.cummax(m, 1).values)
+    ek = torch.exp(kp - _finite_or_zero(m)[:, :, None])
+    sc = torch.where(torch.isfinite(m)[:, None], torch.exp(m[:, None] - M[:, :, None]), 0.0)
+    return torch.cat([ek * vp, ek], -1), torch.cat([sc, sc], -1), M
+
+
+def _causal_rows(wb, geo, X, sc, i, size):
+    """Query block ``i``: ``E^w (nq, kx)``, ``m^w (nq, 1)`` and the keys it sees, rescaled to its
+    shift, ``X_i = [exp(m_j - M_i) X_j]_{j <= i}`` as ``(B, kx, 2d)``, ``kx = (i + 1) size``."""
+    T, B = geo.T, X.shape[0]
+    i0, i1, kx = i * size, min(geo.T, (i + 1) * size), (i + 1) * size
+    bias, _ = _block_bias(wb, geo, i0, i1, 0, min(kx, T))
+    bias = torch.nn.functional.pad(bias, (0, kx - bias.shape[1]), value=float("-inf"))
+    mw = _finite_or_zero(bias.amax(1, keepdim=True))
+    xs = (X[:, : i + 1] * sc[:, i, : i + 1, None]).reshape(B, kx, -1)
+    return torch.exp(bias - mw), mw, xs, i0, i1, kx
 
 
 def _causal_block_size(T: int) -> int:
@@ -160,54 +178,37 @@ def _causal_block_size(T: int) -> int:
     return min(hi, max(lo, T // 4))
 
 
-def _pair_scale(m_j, M_i):
-    """``exp(m_j - M_i) <= 1`` per ``(b, c)`` as ``(B, 1, 2d)``; 0 for an all-padded block."""
-    sc = torch.where(torch.isfinite(m_j), torch.exp(m_j - _finite_or_zero(M_i)), 0.0)
-    return torch.cat([sc, sc], -1)
-
-
 def _causal_forward(k, v, pad, wb, geo, L, A, den):
     """Block-triangular causal AFT-full: query block ``i`` times key blocks ``j <= i`` only,
     ``[num | den]_i = sum_{j <= i} exp(m_j - M_i) * (E^w_{ij} @ X_j)``."""
-    B, d = k.shape[0], k.shape[2]
-    blocks = _key_blocks(k, v, pad, _causal_block_size(k.shape[1]))
-    for i0, i1, _, M_i, _ in blocks:
-        bias, _ = _block_bias(wb, geo, i0, i1, 0, i1)
-        mw = _finite_or_zero(bias.amax(1, keepdim=True))
-        ew = torch.exp(bias - mw)
-        acc = 0.0
-        for j0, j1, m_j, _, x_j in blocks:
-            if j0 >= i1:
-                break
-            acc = acc + torch.bmm(ew[:, j0:j1].expand(B, -1, -1), x_j) * _pair_scale(m_j, M_i)
-        den[:, i0:i1] = acc[..., d:]
-        A[:, i0:i1] = acc[..., :d] / acc[..., d:]
-        L[:, i0:i1] = torch.log(acc[..., d:]) + mw + _finite_or_zero(M_i)
+    B, T, d = k.shape
+    size = _causal_block_size(T)
+    X, sc, M = _causal_factors(k, v, pad, size)
+    for i in range(X.shape[1]):
+        ew, mw, xs, i0, i1, _ = _causal_rows(wb, geo, X, sc, i, size)
+        out = torch.bmm(ew.expand(B, -1, -1), xs)
+        den[:, i0:i1] = out[..., d:]
+        A[:, i0:i1] = out[..., :d] / out[..., d:]
+        L[:, i0:i1] = torch.log(out[..., d:]) + mw + M[:, i, None]
 
 
 def _causal_backward(k, v, pad, wb, geo, R, S, dk, dv, dwb):
     """Backward of :func:`_causal_forward`, the same block pairs (see the module docstring)."""
-    B, d = k.shape[0], k.shape[2]
-    blocks = _key_blocks(k, v, pad, _causal_block_size(k.shape[1]))
-    xt = [x.transpose(0, 1).reshape(j1 - j0, -1) for j0, j1, _, _, x in blocks]  # (nk, B * 2d)
-    ys = [torch.zeros_like(x) for *_, x in blocks]
-    for i0, i1, _, M_i, _ in blocks:
-        bias, _ = _block_bias(wb, geo, i0, i1, 0, i1)
-        ew = torch.exp(bias - _finite_or_zero(bias.amax(1, keepdim=True)))
+    B, T, d = k.shape
+    size = _causal_block_size(T)
+    X, sc, _ = _causal_factors(k, v, pad, size)
+    Y = torch.zeros_like(X)  # (B, n, size, 2d): E^w^T @ [R | S], per key block, key-block shift
+    for i in range(X.shape[1]):
+        ew, _, xs, i0, i1, kx = _causal_rows(wb, geo, X, sc, i, size)
         rs = torch.cat([R[:, i0:i1], S[:, i0:i1]], -1)
-        left = torch.cat([R[:, i0:i1], -S[:, i0:i1]], -1)
-        for j, (j0, j1, m_j, _, _) in enumerate(blocks):
-            if j0 >= i1:
-                break
-            sc = _pair_scale(m_j, M_i)
-            ew_ij = ew[:, j0:j1]
-            ys[j] += torch.bmm(ew_ij.t().expand(B, -1, -1), rs * sc)
-            lt = (left * sc).transpose(0, 1).reshape(i1 - i0, -1)
-            dwb[i0:i1, j0:j1] = ew_ij * (lt @ xt[j].t())
-    for (j0, j1, _, _, x), y in zip(blocks, ys, strict=True):
-        ek, yr = x[..., d:], y[..., :d]
-        dv[:, j0:j1] = ek * yr
-        dk[:, j0:j1] = ek * (v[:, j0:j1] * yr - y[..., d:])
+        y = torch.bmm(ew.t().expand(B, -1, -1), rs).view(B, i + 1, size, 2 * d)
+        Y[:, : i + 1] += y * sc[:, i, : i + 1, None]
+        left = torch.cat([R[:, i0:i1], -S[:, i0:i1]], -1).transpose(0, 1).reshape(i1 - i0, -1)
+        g = ew * (left @ xs.transpose(0, 1).reshape(kx, -1).t())
+        dwb[i0:i1, : min(kx, T)] = g[:, :T]
+    ek, Y = X[..., d:].reshape(B, -1, d)[:, :T], Y.reshape(B, -1, 2 * d)[:, :T]
+    dv.copy_(ek * Y[..., :d])
+    dk.copy_(ek * (v * Y[..., :d] - Y[..., d:]))
 
 
 # ----------------------------------------------------------------------------- exact rescue
@@ -428,6 +429,8 @@ def aft_full(
     """
     check_aft_inputs("aft_full", q, k, v, w, padding_mask)
     T = q.shape[1]
+    if T == 0:
+        return q * 0.0  # empty, still connected to the graph
     cd = compute_dtype(q.dtype)
     with torch.autocast(q.device.type, enabled=False):
         qc, kc, vc, wc = (x.to(cd) for x in (q, k, v, w))

@@ -101,6 +101,8 @@ def aft_local_band(
     check_aft_inputs(where, q, k, v, None, padding_mask)
     check_positive_int(where, "window", window, allow_zero=True)
     T = q.shape[1]
+    if T == 0:
+        return q * 0.0  # empty, still connected to the graph
     cd = compute_dtype(q.dtype)
     with torch.autocast(q.device.type, enabled=False):
         qc, kc, vc = (x.to(cd) for x in (q, k, v))
@@ -172,6 +174,8 @@ def aft_local(
     check_aft_inputs("aft_local", q, k, v, w, padding_mask)
     check_positive_int("aft_local", "window", window, allow_zero=True)
     T = q.shape[1]
+    if T == 0:
+        return q * 0.0
     w_band = band_of(w, T, max(window, 1), causal=causal)
     return aft_local_band(q, k, v, w_band, window, causal=causal, padding_mask=padding_mask)
 

@@ -42,7 +42,7 @@ def build_task(config: TrainConfig) -> Any:
 
 
 def model_config_for(config: TrainConfig, task: Any) -> TransformerConfig:
-    """The model's :class:`TransformerConfig`: sizes from ``config``, vocabulary and context from ``task``.
+    """The model's :class:`TransformerConfig`: sizes from ``config``, the rest from ``task``.
 
     For ``aft-conv`` on a task with a 2-d ``grid`` (digits classification), the grid goes into
     the mixer options unless the config sets one.

@@ -109,7 +109,8 @@ def run_compare(base: TrainConfig, mixers: list[str], out_dir: str | Path) -> st
     unknown = [m for m in mixers if m not in available_mixers()]
     if unknown:
         raise UsageError(
-            f"unknown mixer {unknown[0]!r} in --mixers; known mixers: {', '.join(available_mixers())}"
+            f"unknown mixer {unknown[0]!r} in --mixers; "
+            f"known mixers: {', '.join(available_mixers())}"
         )
     task = build_task(base)  # fails early on bad data, before any training
     out_dir = Path(out_dir)

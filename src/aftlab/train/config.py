@@ -19,7 +19,8 @@ A config file is TOML (``tomllib``; ``tomli`` on Python 3.10) with the fields of
 
 ``--set key=value`` overrides any field after the file is read; ``key`` may be dotted
 (``model.d_model=256``) and ``value`` is a TOML literal (``3e-4``, ``true``, ``[0.9, 0.95]``,
-``{window = 32}``); a value that is not a TOML literal is taken as a string (``--set mixer=aft-full``).
+``{window = 32}``); a value that is not a TOML literal is taken as a string
+(``--set mixer=aft-full``).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ MODEL_KEYS: tuple[str, ...] = tuple(
     f.name for f in dataclasses.fields(TransformerConfig) if f.name not in _DERIVED
 )
 #: The default model: small enough that ``aftlab train`` finishes in minutes on 2 CPU cores.
-DEFAULT_MODEL: dict[str, Any] = {"d_model": 128, "n_layers": 4, "n_heads": 4}
+DEFAULT_MODEL: dict[str, Any] = {"d_model": 128, "n_layers": 3, "n_heads": 4}
 
 _PRECISIONS = ("fp32", "bf16")
 _FREE_TABLES = ("mixer_options", "task_options")  # tables whose keys are not checked here
@@ -94,12 +95,13 @@ class TrainConfig:
         weight_decay: AdamW decoupled weight decay, applied to matrices only.
         betas: AdamW ``(beta1, beta2)``.
         grad_clip: clip the global gradient norm to this value; ``0`` disables.
-        eval_interval: evaluate on the validation split every this many steps; ``0``: only at the end.
+        eval_interval: evaluate on the validation split every this many steps; ``0``: never.
         eval_batches: validation batches per periodic evaluation.
         eval_batch_size: sequences per evaluation batch; ``None``: ``batch_size``.
         test_batches: test batches evaluated at the end of training; ``0``: the whole split
             (``aftlab eval`` reads the whole split unless told otherwise).
-        checkpoint_interval: save a checkpoint every this many steps (and at the end, and on Ctrl-C).
+        checkpoint_interval: save a checkpoint every this many steps (also at the end and on
+            Ctrl-C).
         keep_last: checkpoints kept (older ones are deleted).
         log_interval: steps between plain log lines (when stderr is not a terminal).
         sample_tokens: tokens of text sampled at the end of training (text tasks); ``0``: none.
@@ -117,19 +119,19 @@ class TrainConfig:
     mixer: str = "attention"
     mixer_options: dict[str, Any] = field(default_factory=dict)
     model: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_MODEL))
-    batch_size: int = 16
+    batch_size: int = 8
     grad_accum: int = 1
     lr: float = 2e-3
     min_lr: float = 2e-4
     warmup: int = 30
-    steps: int = 400
+    steps: int = 300
     weight_decay: float = 0.1
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     grad_clip: float = 1.0
     eval_interval: int = 100
     eval_batches: int = 10
-    eval_batch_size: int | None = None
-    test_batches: int = 50
+    eval_batch_size: int | None = 32
+    test_batches: int = 20
     checkpoint_interval: int = 100
     keep_last: int = 2
     log_interval: int = 20
@@ -306,7 +308,7 @@ _FIELD_TYPES: dict[str, Any] = {
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """Split ``"a.b=value"`` into ``(["a", "b"], value)``; ``value`` is a TOML literal or a string."""
+    """Split ``"a.b=value"`` into ``(["a", "b"], value)``; value: a TOML literal or a string."""
     if "=" not in text:
         raise UsageError(f"--set {text!r}: expected key=value, e.g. --set model.d_model=256")
     key, _, raw = text.partition("=")

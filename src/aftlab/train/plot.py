@@ -129,7 +129,8 @@ def position_biases(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 def conv_kernels(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The learned kernels of every AFT-conv layer: ``(name, (heads, ...))``.
 
-    A kernel is a parameter the mixer owns outside its ``nn.Linear`` projections.
+    A kernel is a parameter the mixer owns outside its ``nn.Linear`` projections with a last
+    dimension > 1 (per-head scalars, such as a reparameterisation's gain and shift, are left out).
     """
     out = []
     for name, m in model.named_modules():
@@ -139,7 +140,7 @@ def conv_kernels(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
             id(p) for sub in m.modules() if isinstance(sub, nn.Linear) for p in sub.parameters()
         }
         for pname, p in m.named_parameters():
-            if id(p) not in linear and p.dim() >= 2:
+            if id(p) not in linear and p.dim() >= 2 and p.shape[-1] > 1:  # not scalar gains
                 out.append((f"{name}.{pname}", p.detach().float().cpu()))
     return out
 
@@ -151,7 +152,7 @@ def _heatmaps(plt, items: list[tuple[str, torch.Tensor]], out_png: Path, title: 
     fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.0 * rows), squeeze=False)
     for ax in axes.flat[n:]:
         ax.axis("off")
-    for ax, (label, mat) in zip(axes.flat, items):
+    for ax, (label, mat) in zip(axes.flat, items, strict=False):
         im = ax.imshow(mat.numpy(), cmap="RdBu_r", interpolation="nearest", aspect="auto")
         ax.set_title(label, fontsize=7)
         fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)

@@ -31,7 +31,7 @@ class LoadedRun:
 
 
 def check_run_dir(run_dir: str | Path) -> Path:
-    """Return the newest checkpoint of ``run_dir``, or raise a :class:`UsageError` saying why not."""
+    """The newest checkpoint of ``run_dir``; a :class:`UsageError` saying why there is none."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise UsageError(
@@ -40,7 +40,8 @@ def check_run_dir(run_dir: str | Path) -> Path:
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
         raise UsageError(
-            f"run folder {str(run_dir)!r} has no checkpoint yet (train it first: aftlab train --out {run_dir})"
+            f"run folder {str(run_dir)!r} has no checkpoint yet (train it first: aftlab train "
+            f"--out {run_dir})"
         )
     return ckpt
 

@@ -110,7 +110,7 @@ def init_distributed(device_name: str) -> tuple[DistInfo, torch.device]:
 
 
 def peak_memory_bytes(device: torch.device, baseline_rss: int) -> int:
-    """Peak memory of training: CUDA ``max_memory_allocated``; CPU peak RSS above ``baseline_rss``."""
+    """Peak memory: CUDA ``max_memory_allocated``; on CPU, peak RSS above ``baseline_rss``."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return max(0, _max_rss_bytes() - baseline_rss)
@@ -124,8 +124,18 @@ def _max_rss_bytes() -> int:
 # --------------------------------------------------------------------------- forward, loss, eval
 
 
-def forward_batch(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Logits of ``batch["input"]``: ``(B, T, V)`` for language/pixel models, ``(B, C)`` classifiers."""
+def forward_batch(
+    model: nn.Module, batch: dict[str, torch.Tensor], *, pixels: bool = False
+) -> torch.Tensor:
+    """Logits ``(B, T, V)`` (language and pixel models) or ``(B, C)`` (classifiers) of a batch.
+
+    A language model or classifier reads ``batch["input"]``. A pixel model
+    (:class:`~aftlab.models.PixelTransformer`, ``pixels=True``) prepends its own learned start
+    token, so it reads the pixels themselves, ``batch["target"]`` (a pixel task's input is the
+    same pixels shifted right by one); ``logits[:, t]`` predicts pixel ``t`` from pixels ``< t``.
+    """
+    if pixels:
+        return model(batch["target"])
     if "padding_mask" in batch:
         return model(batch["input"], padding_mask=batch["padding_mask"])
     return model(batch["input"])
@@ -178,7 +188,7 @@ def evaluate(
         for batch in task.eval_batches(split, batch_size=batch_size, max_batches=max_batches):
             batch = {k: v.to(device) for k, v in batch.items()}
             with _autocast(device, precision):
-                logits = forward_batch(model, batch)
+                logits = forward_batch(model, batch, pixels=_is_pixel_task(task))
             s, n = nll_sum(logits, batch["target"])
             total += float(s)
             count += int(n)
@@ -233,13 +243,15 @@ class Trainer:
         per_rank, rem = divmod(cfg.batch_size, self.dist.world_size)
         if rem or per_rank % cfg.grad_accum:
             raise UsageError(
-                f"batch_size={cfg.batch_size} must be a multiple of processes ({self.dist.world_size}) "
+                f"batch_size={cfg.batch_size} must be a multiple of processes "
+                f"({self.dist.world_size}) "
                 f"x grad_accum ({cfg.grad_accum}); change --set batch_size=... or grad_accum"
             )
         self.per_rank = per_rank
         self.micro = per_rank // cfg.grad_accum
         self.task = build_task(cfg)
         self.task_info = task_info(self.task)
+        self._pixels = _is_pixel_task(self.task)
         self.model_config = model_config_for(cfg, self.task)
         torch.manual_seed(cfg.seed)
         np.random.seed(cfg.seed)
@@ -339,7 +351,8 @@ class Trainer:
         self._stop_signal = signum
         if self.dist.is_main:
             print(
-                f"\naftlab: {signal.Signals(signum).name} received: saving a checkpoint after this step "
+                f"\naftlab: {signal.Signals(signum).name} received: saving a checkpoint after "
+                "this step "
                 "(press Ctrl-C again to abort without saving)",
                 file=self.stream,
                 flush=True,
@@ -376,7 +389,7 @@ class Trainer:
             sync = d.active and i < cfg.grad_accum - 1
             with self.train_model.no_sync() if sync else nullcontext():
                 with _autocast(self.device, cfg.precision):
-                    logits = forward_batch(self.train_model, mb)
+                    logits = forward_batch(self.train_model, mb, pixels=self._pixels)
                 s, _ = nll_sum(logits, mb["target"])
                 (s * (d.world_size / n_global.float())).backward()
             total += s.detach().double()
@@ -466,7 +479,8 @@ class Trainer:
                     if self.dist.is_main:
                         where = path or latest_checkpoint(self.run_dir)
                         print(
-                            f"aftlab: interrupted at step {self.step}/{cfg.steps}; checkpoint {where}; "
+                            f"aftlab: interrupted at step {self.step}/{cfg.steps}; checkpoint "
+                            f"{where}; "
                             f"continue with: aftlab train --resume --out {self.run_dir}",
                             file=self.stream,
                             flush=True,
@@ -505,7 +519,8 @@ class Trainer:
             )
             atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2))
             print(
-                f"test {self.task.metric}: {test[self.task.metric]:.4f}  (loss {test['loss']:.4f} nats, "
+                f"test {self.task.metric}: {test[self.task.metric]:.4f}  (loss "
+                f"{test['loss']:.4f} nats, "
                 f"{test['targets']:,} targets; {format_duration(train_time)} of training, "
                 f"{summary['train_tokens_per_s'] or 0:,.0f} tok/s)",
                 file=self.out,
@@ -550,6 +565,11 @@ class Trainer:
                 f"step {self.step}: val loss {res['loss']:.4f}, val {metric} {res[metric]:.4f}"
             )
         self._barrier()
+
+
+def _is_pixel_task(task: Any) -> bool:
+    """An autoregressive image task: modelled by a PixelTransformer (see :func:`forward_batch`)."""
+    return task.kind == "lm" and getattr(task, "image_shape", None) is not None
 
 
 def _jsonable(obj: Any) -> Any:

@@ -82,7 +82,7 @@ class AFTLocal(AFTMixer):
         x, padding_mask = self._check_input(x, padding_mask)
         q, k, v = self.project(x)
         T = x.shape[1]
-        w_band = self.band(T).to(q.dtype) if self.window > 0 else q.new_zeros(T, 1)
+        w_band = self.band(T).to(q.dtype) if self.window > 0 and T > 0 else q.new_zeros(T, 1)
         y = aft_local_band(
             q, k, v, w_band, self.window, causal=self.causal, padding_mask=padding_mask
         )

@@ -1,0 +1,98 @@
+import json
+import math
+
+import pytest
+
+from aftlab.cli import main
+from aftlab.train.compare import format_table, unigram_baseline
+
+from .helpers import TINY, write_text
+
+
+class _Counts:
+    """A task stand-in with known byte frequencies: training targets 0,0,0,1 ; test targets 0,1."""
+
+    vocab_size = 4
+
+    def train_batch(self, step, *, batch_size):
+        import torch
+
+        return {"target": torch.tensor([[0, 0, 0, 1]])}
+
+    def eval_batches(self, split, *, batch_size, max_batches):
+        import torch
+
+        yield {"target": torch.tensor([[0, 1, -100]])}
+
+
+def test_unigram_baseline_is_add_one_smoothed_cross_entropy():
+    # counts over 2 batches: c0 = 6, c1 = 2, +1 each over V = 4 -> p0 = 7/12, p1 = 3/12
+    nats = unigram_baseline(_Counts(), train_batches=2, batch_size=1, test_batches=None)
+    assert nats == pytest.approx(-(math.log(7 / 12) + math.log(3 / 12)) / 2)
+
+
+def test_format_table():
+    rows = [
+        {
+            "mixer": "attention",
+            "parameters": 1234,
+            "test_metric": 2.5,
+            "tokens_per_s": 1000.4,
+            "peak_memory_bytes": 3 * 2**20,
+        },
+        {
+            "mixer": "(unigram baseline)",
+            "parameters": 255,
+            "test_metric": 5.0,
+            "tokens_per_s": None,
+            "peak_memory_bytes": None,
+        },
+    ]
+    table = format_table(rows, "bpb", "cpu").splitlines()
+    assert table[0] == "| mixer | parameters | test bpb | train tokens/s | peak memory (cpu) |"
+    assert table[2] == "| attention | 1,234 | 2.5000 | 1,000 | 3 MiB |"
+    assert table[3] == "| (unigram baseline) | 255 | 5.0000 |  |  |"
+
+
+@pytest.mark.slow
+def test_compare_trains_each_mixer_and_writes_the_table(tmp_path, capsys):
+    data = write_text(tmp_path / "data.txt", 20_000)
+    out = tmp_path / "cmp"
+    code = main(
+        [
+            "compare",
+            "--data",
+            str(data),
+            "--mixers",
+            "attention,aft-simple",
+            "--steps",
+            "4",
+            "--out",
+            str(out),
+            *TINY,
+            "--set",
+            "lr=1e-2",
+        ]
+    )
+    assert code == 0
+    printed = capsys.readouterr().out
+    results = json.loads((out / "results.json").read_text())
+    rows = {r["mixer"]: r for r in results["rows"]}
+    assert set(rows) == {"attention", "aft-simple", "(unigram baseline)"}
+    for mixer in ("attention", "aft-simple"):
+        summary = json.loads((out / mixer / "summary.json").read_text())
+        assert rows[mixer]["test_metric"] == summary["test_bpb"] and summary["steps"] == 4
+        assert rows[mixer]["parameters"] == summary["parameters"] > 0
+        assert rows[mixer]["tokens_per_s"] > 0 and rows[mixer]["peak_memory_bytes"] >= 0
+        assert f"| {mixer} |" in printed
+        # the same size and budget for every mixer
+        assert summary["tokens_seen"] == 4 * 4 * 16
+    # the unigram baseline beats a uniform guess over 256 bytes (8 bits) on this small vocabulary
+    assert 0 < rows["(unigram baseline)"]["test_metric"] < 6
+    md = (out / "results.md").read_text()
+    assert "| (unigram baseline) |" in md and "aftlab compare --task text" in md
+    if (out / "loss_curves.png").exists():
+        assert "loss_curves.png" in md
+    else:
+        pytest.importorskip("matplotlib")  # only allowed to be missing without matplotlib
+        pytest.fail("loss_curves.png missing although matplotlib is installed")
