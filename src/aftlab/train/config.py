@@ -119,12 +119,12 @@ class TrainConfig:
     mixer: str = "attention"
     mixer_options: dict[str, Any] = field(default_factory=dict)
     model: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_MODEL))
-    batch_size: int = 8
+    batch_size: int = 16
     grad_accum: int = 1
     lr: float = 2e-3
     min_lr: float = 2e-4
-    warmup: int = 30
-    steps: int = 300
+    warmup: int = 50
+    steps: int = 500
     weight_decay: float = 0.1
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     grad_clip: float = 1.0

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import resource
 import signal
 import sys
@@ -244,8 +245,8 @@ class Trainer:
         if rem or per_rank % cfg.grad_accum:
             raise UsageError(
                 f"batch_size={cfg.batch_size} must be a multiple of processes "
-                f"({self.dist.world_size}) "
-                f"x grad_accum ({cfg.grad_accum}); change --set batch_size=... or grad_accum"
+                f"({self.dist.world_size}) x grad_accum ({cfg.grad_accum}); "
+                "change --set batch_size=... or grad_accum"
             )
         self.per_rank = per_rank
         self.micro = per_rank // cfg.grad_accum
@@ -255,8 +256,6 @@ class Trainer:
         self.model_config = model_config_for(cfg, self.task)
         torch.manual_seed(cfg.seed)
         np.random.seed(cfg.seed)
-        import random
-
         random.seed(cfg.seed)
         self.model = build_model(self.model_config, self.task_info).to(self.device)
         self.optimizer = build_optimizer(
