@@ -87,6 +87,14 @@ def test_learned_positions_limit_generation():
         lm.step(torch.tensor([1]), cache)
 
 
+@pytest.mark.parametrize("mixer", ["aft-full", "aft-local"])
+def test_length_limited_mixers_refuse_long_generation_up_front(mixer):
+    lm = _lm(max_seq_len=10, positional="sinusoidal", mixer=mixer)
+    assert lm.generate(_prompt(T=4), 6).shape == (3, 10)
+    with pytest.raises(ValueError, match=rf"= 11 exceeds max_seq_len = 10, the limit of '{mixer}'"):
+        next(lm.stream_generate(_prompt(T=4), 7))  # before any token is yielded
+
+
 @pytest.mark.parametrize("positional", ["sinusoidal", "rotary", "none"])
 def test_unbounded_positions_can_generate_past_max_seq_len(positional):
     lm = _lm(max_seq_len=8, positional=positional)

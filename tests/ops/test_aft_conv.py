@@ -141,12 +141,9 @@ def test_equals_per_head_aft_local_with_toeplitz_bias(causal):
     window = s if causal else s // 2 + 1  # |t - t'| < window covers the kernel footprint
     for i in range(h):
         bias = _toeplitz_bias(w[i], T, causal)
-        try:
-            yi = aft_local(
-                q[:, :, i], k[:, :, i].expand(B, T, c), v[:, :, i], bias, window, causal=causal
-            )
-        except NotImplementedError:
-            pytest.skip("aftlab.ops.aft_local is not implemented yet")
+        yi = aft_local(
+            q[:, :, i], k[:, :, i].expand(B, T, c), v[:, :, i], bias, window, causal=causal
+        )
         assert_close(f"head {i}", y[:, :, i], yi)
 
 

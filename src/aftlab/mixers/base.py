@@ -8,7 +8,7 @@ feed-forward) is shared. A model is built as ``mixer="<name>"`` through the regi
 Conventions:
     * ``padding_mask`` is a bool tensor ``(B, T)``, **True for real tokens**, False for padding
       (the Hugging Face ``attention_mask`` convention). Padded keys contribute nothing; a query
-      with no valid key yields zeros, never NaN.
+      with no valid key yields zeros (after the output projection), never NaN.
     * A causal mixer decodes incrementally: ``state = init_state(B)`` then
       ``y_t, state = step(x_t, state)`` with ``x_t: (B, d_model)``; feeding tokens one by one
       must reproduce ``forward`` on the whole sequence.
@@ -47,6 +47,9 @@ class SequenceMixer(nn.Module):
 
     #: registry name, set by :func:`aftlab.mixers.register_mixer`
     name: ClassVar[str] = ""
+    #: True for mixers that cannot see past ``max_seq_len`` positions, forward or decoding
+    #: (a ``T_max x T_max`` position bias); callers such as ``generate`` check it up front.
+    length_limited: ClassVar[bool] = False
 
     def __init__(
         self,

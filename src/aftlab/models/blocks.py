@@ -18,8 +18,11 @@ __all__ = ["FeedForward", "TransformerBlock", "mixer_options"]
 _COMMON = ("d_model", "n_heads", "causal", "max_seq_len", "dropout", "bias")
 
 
-def mixer_options(config: TransformerConfig) -> dict[str, Any]:
+def mixer_options(config: TransformerConfig, *, layer_idx: int = 0) -> dict[str, Any]:
     """The mixer's own keyword options for ``config``: ``mixer_options`` plus attention options.
+
+    Mixers whose initialisation depends on depth (``aft-decay``: RWKV's spread of decays) also
+    get ``layer_idx`` and ``n_layers`` when their constructor accepts them.
 
     The config-level attention options reach only mixers whose constructor accepts them by name:
     ``head_dim`` (``config.head_dim``), ``scaled`` (``config.scaled``) and ``rotary``
@@ -34,7 +37,7 @@ def mixer_options(config: TransformerConfig) -> dict[str, Any]:
     """
     cls = get_mixer_class(config.mixer)  # ValueError naming the known mixers
     opts = dict(config.mixer_options)
-    clash = sorted(set(opts) & {*_COMMON, "head_dim", "scaled", "rotary"})
+    clash = sorted(set(opts) & {*_COMMON, "head_dim", "scaled", "rotary", "layer_idx", "n_layers"})
     if clash:
         raise ValueError(
             f"TransformerConfig: mixer_options {clash} are TransformerConfig fields "
@@ -65,6 +68,8 @@ def mixer_options(config: TransformerConfig) -> dict[str, Any]:
                 f"TransformerConfig: {shown} needs a mixer that accepts '{name}' "
                 f"(e.g. 'attention'); mixer {config.mixer!r} does not"
             )
+    if "layer_idx" in accepted and "n_layers" in accepted:
+        opts.update(layer_idx=layer_idx, n_layers=config.n_layers)
     return opts
 
 
@@ -104,13 +109,14 @@ class TransformerBlock(nn.Module):
     Args:
         config: the model config; the mixer is ``build_mixer(config.mixer, ...)`` with the
             options of :func:`mixer_options`.
+        layer_idx: the block's index in the stack (depth-dependent mixer initialisation).
 
     Shapes:
         ``forward``: ``x (B, T, d)``, ``padding_mask (B, T)`` -> ``(B, T, d)``;
         ``step``: ``x (B, d)`` and the mixer state -> ``(B, d)`` and the state.
     """
 
-    def __init__(self, config: TransformerConfig) -> None:
+    def __init__(self, config: TransformerConfig, *, layer_idx: int = 0) -> None:
         super().__init__()
         d = self.d_model = config.d_model
         self.norm = config.norm
@@ -122,7 +128,7 @@ class TransformerBlock(nn.Module):
             max_seq_len=config.max_seq_len,
             dropout=config.dropout,
             bias=config.bias,
-            **mixer_options(config),
+            **mixer_options(config, layer_idx=layer_idx),
         )
         self.ff = FeedForward(
             d,

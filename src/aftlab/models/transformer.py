@@ -137,7 +137,9 @@ class TransformerBackbone(nn.Module):
             nn.Embedding(config.max_seq_len, d) if config.positional == "learned" else None
         )
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
+        self.blocks = nn.ModuleList(
+            TransformerBlock(config, layer_idx=i) for i in range(config.n_layers)
+        )
         self.final_norm = (
             nn.LayerNorm(d, eps=config.layer_norm_eps) if config.final_norm else nn.Identity()
         )
@@ -325,11 +327,14 @@ class TransformerLM(nn.Module):
             where, temperature=temperature, top_k=top_k, vocab_size=self.config.vocab_size
         )
         total = prompt.shape[1] + max_new_tokens
-        if self.config.positional == "learned" and total > self.config.max_seq_len:
+        limited = [b.mixer.name for b in self.backbone.blocks if b.mixer.length_limited]
+        if self.config.positional == "learned":
+            limited.insert(0, "the learned positional table")
+        if limited and total > self.config.max_seq_len:
             raise ValueError(
                 f"{where}: prompt length {prompt.shape[1]} + max_new_tokens {max_new_tokens} "
-                f"= {total} exceeds max_seq_len = {self.config.max_seq_len}, the size of the "
-                "learned positional table"
+                f"= {total} exceeds max_seq_len = {self.config.max_seq_len}, the limit of "
+                f"{limited[0]!r}"
             )
 
     def stream_generate(

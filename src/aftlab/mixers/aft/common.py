@@ -6,6 +6,8 @@ sigma-gated AFT op ``Y = sigma(Q) * (...)`` and projects back with ``W^O`` (then
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -42,6 +44,32 @@ class AFTMixer(SequenceMixer):
         """``Q = X W^Q, K = X W^K, V = X W^V``."""
         return self.to_q(x), self.to_k(x), self.to_v(x)
 
-    def output(self, y: torch.Tensor) -> torch.Tensor:
-        """``dropout(Y W^O)``."""
-        return self.drop(self.proj(y))
+    @staticmethod
+    def match_dtypes(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Cast ``tensors`` to their widest dtype.
+
+        Under autocast ``Q, K, V`` come out of the projections in bf16/fp16 while the learned
+        position biases stay float32; the op then runs with the biases' precision, as
+        :meth:`step` does, so decoding and the forward agree.
+        """
+        dt = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+        return tuple(t.to(dt) for t in tensors)
+
+    def output(
+        self, y: torch.Tensor, padding_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``dropout(Y W^O)``; rows of queries with no valid key are 0 (as in ``attention``).
+
+        Args:
+            y: the AFT op's result ``(B, T, d)`` (or ``(B, d)`` for a decoding step).
+            padding_mask: bool ``(B, T)``, True for real tokens; a query sees no valid key when
+                every key it may see (all of them, or ``t' <= t`` if causal) is padding.
+        """
+        out = self.drop(self.proj(y))
+        if padding_mask is None:
+            return out
+        if self.causal:
+            has_key = padding_mask.cumsum(1) > 0
+        else:
+            has_key = padding_mask.any(1, keepdim=True).expand_as(padding_mask)
+        return out.masked_fill(~has_key[..., None], 0.0)

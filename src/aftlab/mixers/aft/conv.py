@@ -146,7 +146,7 @@ class AFTConvMixer(AFTMixer):
             y = aft_conv2d(
                 *(t.reshape(B, H, W, *t.shape[2:]) for t in (q, k, v)), w, padding_mask=grid_mask
             )
-        return self.output(y.reshape(B, T, d).to(x.dtype))
+        return self.output(y.reshape(B, T, d).to(x.dtype), padding_mask)
 
     # ----------------------------------------------------------------- decoding
     def init_state(

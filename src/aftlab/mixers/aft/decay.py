@@ -117,15 +117,19 @@ class AFTDecay(AFTMixer):
         self.time_bonus = nn.Parameter(rwkv_bonus_init(d_model))
 
     def decay(self) -> torch.Tensor:
-        """``lambda = exp(w_raw)``, ``(d,)``."""
-        return torch.exp(self.time_decay)
+        """``lambda = exp(min(w_raw, 30))``, ``(d,)``.
+
+        The clamp keeps ``lambda`` finite in any float dtype (``exp(30) ~ 1e13``: a decay that
+        large already forgets everything but the current token), whatever the optimiser does.
+        """
+        return torch.exp(self.time_decay.clamp(max=30.0))
 
     def forward(self, x: torch.Tensor, *, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``dropout(W^O aft_decay(X W^Q, X W^K, X W^V, lambda, u))``, ``(B, T, d)`` -> same."""
         x, padding_mask = self._check_input(x, padding_mask)
         q, k, v = self.project(x)
         y = aft_decay(q, k, v, self.decay(), self.time_bonus, padding_mask=padding_mask)
-        return self.output(y)
+        return self.output(y, padding_mask)
 
     def init_state(
         self,

@@ -42,6 +42,10 @@ class PositionBias(nn.Module):
         """``w[t, :upto]``: ``(upto,)``."""
         return self.w[t, :upto] if self.rank is None else self.v[:upto] @ self.u[t]
 
+    def entries(self, t: int, cols: torch.Tensor) -> torch.Tensor:
+        """``w[t, cols]``: ``(len(cols),)``, in ``O(len(cols) r)`` (decoding a window)."""
+        return self.w[t, cols] if self.rank is None else self.v[cols] @ self.u[t]
+
     def extra_repr(self) -> str:
         return f"max_seq_len={self.max_seq_len}, rank={self.rank}"
 
@@ -77,6 +81,8 @@ class AFTFull(AFTMixer):
     Decoding keeps all past keys and values: ``O(t d)`` per token.
     """
 
+    length_limited = True
+
     def __init__(self, *, bias_rank: int | None = 64, **common) -> None:
         super().__init__(**common)
         where = type(self).__name__
@@ -89,8 +95,9 @@ class AFTFull(AFTMixer):
         """``x: (B, T, d_model)`` with ``T <= T_max`` -> ``(B, T, d_model)``."""
         x, padding_mask = self._check_input(x, padding_mask)
         q, k, v = self.project(x)
-        w = self.pos_bias.matrix(x.shape[1]).to(q.dtype)
-        return self.output(aft_full(q, k, v, w, causal=self.causal, padding_mask=padding_mask))
+        q, k, v, w = self.match_dtypes(q, k, v, self.pos_bias.matrix(x.shape[1]))
+        y = aft_full(q, k, v, w, causal=self.causal, padding_mask=padding_mask)
+        return self.output(y, padding_mask)
 
     def init_state(
         self,

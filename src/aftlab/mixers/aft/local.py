@@ -50,6 +50,8 @@ class AFTLocal(AFTMixer):
     per token.
     """
 
+    length_limited = True
+
     def __init__(self, *, window: int = 32, bias_rank: int | None = 64, **common) -> None:
         super().__init__(**common)
         where = type(self).__name__
@@ -82,11 +84,12 @@ class AFTLocal(AFTMixer):
         x, padding_mask = self._check_input(x, padding_mask)
         q, k, v = self.project(x)
         T = x.shape[1]
-        w_band = self.band(T).to(q.dtype) if self.window > 0 and T > 0 else q.new_zeros(T, 1)
+        w_band = self.band(T) if self.window > 0 and T > 0 else q.new_zeros(T, 1)
+        q, k, v, w_band = self.match_dtypes(q, k, v, w_band)
         y = aft_local_band(
             q, k, v, w_band, self.window, causal=self.causal, padding_mask=padding_mask
         )
-        return self.output(y)
+        return self.output(y, padding_mask)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", window={self.window}"
@@ -137,7 +140,7 @@ class AFTLocal(AFTMixer):
             pos = torch.arange(t - s + 1, t + 1, device=k.device)  # band keys, oldest first
             seen = pos >= 0
             pos = pos.clamp(min=0)
-            w = self.pos_bias.row(t, t + 1).to(cd)[pos].masked_fill(~seen, float("-inf"))
+            w = self.pos_bias.entries(t, pos).to(cd).masked_fill(~seen, float("-inf"))
             sc = state.k[:, pos % s] + w[None, :, None]  # (B, s, d): K_t' + w_{t,t'}
             m = torch.maximum(sc.amax(1), state.m)  # per-(t, c) max over every key t' <= t
             e = torch.exp(sc - m[:, None])

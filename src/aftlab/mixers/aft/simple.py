@@ -82,7 +82,8 @@ class AFTSimple(AFTMixer):
         """``dropout(W^O aft_simple(X W^Q, X W^K, X W^V))``; ``x: (B, T, d)`` -> ``(B, T, d)``."""
         x, padding_mask = self._check_input(x, padding_mask)
         q, k, v = self.project(x)
-        return self.output(aft_simple(q, k, v, causal=self.causal, padding_mask=padding_mask))
+        y = aft_simple(q, k, v, causal=self.causal, padding_mask=padding_mask)
+        return self.output(y, padding_mask)
 
     def init_state(
         self,
