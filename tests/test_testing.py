@@ -5,7 +5,9 @@ from aftlab.testing import assert_close
 
 
 def test_assert_close_names_the_tensor_and_the_worst_element():
-    with pytest.raises(AssertionError, match=r"grad_q: 1/3 elements out of tolerance.*worst at \(1,\)"):
+    with pytest.raises(
+        AssertionError, match=r"grad_q: 1/3 elements out of tolerance.*worst at \(1,\)"
+    ):
         assert_close("grad_q", torch.tensor([1.0, 2.5, 3.0]), torch.tensor([1.0, 2.0, 3.0]))
 
 
@@ -25,6 +27,8 @@ def test_dtype_errors_are_both_value_and_type_errors():
 
     with pytest.raises(ValueError, match="'k' has dtype torch.float64 but 'q' has torch.float32"):
         check_compatible("op", {"q": torch.zeros(1), "k": torch.zeros(1, dtype=torch.float64)})
-    with pytest.raises(TypeError, match="'x' must be a floating-point tensor, got dtype torch.int64"):
+    with pytest.raises(
+        TypeError, match="'x' must be a floating-point tensor, got dtype torch.int64"
+    ):
         check_tensor("op", "x", torch.zeros(1, dtype=torch.long), floating=True)
     assert issubclass(DTypeError, ValueError) and issubclass(DTypeError, TypeError)

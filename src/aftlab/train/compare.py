@@ -25,7 +25,8 @@ from .errors import UsageError
 
 __all__ = ["DEFAULT_MIXERS", "run_compare", "unigram_baseline", "format_table"]
 
-#: The mixers compared by default: the Transformer and every AFT variant (the paper's four and RWKV's decay).
+#: The mixers compared by default: the Transformer and every AFT variant
+#: (the paper's four and RWKV's decay).
 DEFAULT_MIXERS = ("attention", "aft-full", "aft-local", "aft-simple", "aft-conv", "aft-decay")
 
 

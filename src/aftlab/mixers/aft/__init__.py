@@ -1,3 +1,6 @@
-"""AFT token mixers. Importing registers "aft-full", "aft-local", "aft-simple", "aft-conv", "aft-decay"."""
+"""AFT token mixers.
+
+Importing registers "aft-full", "aft-local", "aft-simple", "aft-conv" and "aft-decay".
+"""
 
 from . import conv, decay, full, local, simple  # noqa: F401
