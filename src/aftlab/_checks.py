@@ -16,6 +16,7 @@ __all__ = [
     "check_tensor",
     "check_same_shape",
     "check_compatible",
+    "check_padding_mask",
     "check_positive_int",
     "check_choice",
 ]
@@ -118,6 +119,29 @@ def check_compatible(where: str, named: dict[str, torch.Tensor]) -> None:
                 f"{where}: '{name}' is on {t.device} but '{first_name}' is on {first.device}; "
                 "all inputs must be on one device"
             )
+
+
+def check_padding_mask(
+    where: str, mask: object, shape: Sequence[int], ref_name: str, ref: torch.Tensor
+) -> torch.Tensor:
+    """Check a padding mask: a bool tensor of ``shape`` (True = real token) on ``ref``'s device.
+
+    Raises:
+        ValueError: wrong rank or shape, or another device than ``ref``.
+        TypeError: not a tensor, or not bool.
+    """
+    check_tensor(where, "padding_mask", mask, shape=tuple(shape))
+    assert isinstance(mask, torch.Tensor)
+    if mask.dtype != torch.bool:
+        raise TypeError(
+            f"{where}: 'padding_mask' must be a bool tensor (True = real token), "
+            f"got dtype {mask.dtype}"
+        )
+    if mask.device != ref.device:
+        raise ValueError(
+            f"{where}: 'padding_mask' is on {mask.device} but '{ref_name}' is on {ref.device}"
+        )
+    return mask
 
 
 def check_positive_int(where: str, name: str, value: object, *, allow_zero: bool = False) -> int:

@@ -111,3 +111,20 @@ def test_common_argument_validation_reaches_the_user():
             build_mixer(name, d_model=0)
         with pytest.raises(ValueError, match=re.escape("'dropout' must be in [0, 1), got 1.5")):
             build_mixer(name, d_model=8, dropout=1.5)
+
+
+@pytest.mark.parametrize("name", ["attention", "aft-simple", "aft-conv", "aft-decay"])
+def test_mixers_without_a_position_table_take_any_length(name):
+    m = build_mixer(name, d_model=8, n_heads=2, causal=True, max_seq_len=4)
+    assert not m.length_limited
+    assert m(torch.randn(1, 9, 8)).shape == (1, 9, 8)
+
+
+@pytest.mark.parametrize("name", ["aft-full", "aft-local"])
+def test_mixers_with_a_position_table_refuse_longer_inputs(name):
+    m = build_mixer(name, d_model=8, n_heads=2, causal=True, max_seq_len=4)
+    assert m.length_limited
+    with pytest.raises(
+        ValueError, match=r"sequence length 9 of 'x' exceeds max_seq_len \(T_max\) = 4"
+    ):
+        m(torch.randn(1, 9, 8))

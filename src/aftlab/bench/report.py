@@ -8,7 +8,8 @@ from pathlib import Path
 
 __all__ = ["evaluate_targets", "write_report", "summary_markdown", "CSV_FIELDS"]
 
-CSV_FIELDS = (
+#: One result row (a case); the CSV adds the machine columns to each.
+ROW_FIELDS = (
     "mixer",
     "causal",
     "mode",
@@ -37,12 +38,8 @@ CSV_FIELDS = (
     "floor_s",
     "floor_bound",
     "ratio_to_floor",
-    "cpu_model",
-    "gpu",
-    "torch",
-    "date",
-    "command",
 )
+CSV_FIELDS = (*ROW_FIELDS, "cpu_model", "gpu", "torch", "date", "command")
 
 LINEAR_OPS = ("aft-simple", "aft-decay", "aft-local", "aft-conv")
 

@@ -23,6 +23,7 @@ from .cases import CASES, MATMUL_CASE, MODES, OpCase, Shape
 from .gate import GateResult, check_case, gate_shape
 from .machine import machine_info, measure_limits
 from .measure import COMPARE_BUILDERS, CaseSpec, can_isolate, run_case, run_isolated
+from .report import ROW_FIELDS
 
 __all__ = ["BenchConfig", "run_bench", "DTYPES"]
 
@@ -188,38 +189,7 @@ def _floors(case: OpCase, mode: str, s: Shape, causal: bool, limits: dict) -> di
 
 
 def _row(**kw) -> dict:
-    base = dict.fromkeys(
-        (
-            "mixer",
-            "causal",
-            "mode",
-            "T",
-            "B",
-            "d",
-            "heads",
-            "dtype",
-            "device",
-            "threads",
-            "status",
-            "note",
-            "gate",
-            "gate_max_error",
-            "time_median_s",
-            "time_min_s",
-            "repeats",
-            "peak_bytes",
-            "est_peak_bytes",
-            "mem_method",
-            "state_bytes",
-            "flops",
-            "bytes",
-            "floor_bandwidth_s",
-            "floor_flops_s",
-            "floor_s",
-            "floor_bound",
-            "ratio_to_floor",
-        )
-    )
+    base = dict.fromkeys(ROW_FIELDS)
     base.update(kw)
     return base
 

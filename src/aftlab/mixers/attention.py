@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._checks import check_positive_int, check_tensor
+from .._checks import check_positive_int
 from .base import SequenceMixer
 from .registry import register_mixer
 
@@ -234,20 +234,6 @@ class MultiHeadAttention(SequenceMixer):
         )
 
     # ------------------------------------------------------------------ interface
-    def _check_input(
-        self, x: torch.Tensor, padding_mask: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # like SequenceMixer._check_input, without the length limit: attention has none
-        where = type(self).__name__
-        check_tensor(where, "x", x, shape=(None, None, self.d_model), floating=True)
-        if padding_mask is not None:
-            check_tensor(where, "padding_mask", padding_mask, shape=tuple(x.shape[:2]))
-            if padding_mask.dtype != torch.bool:
-                raise TypeError(
-                    f"{where}: 'padding_mask' must be a bool tensor (True = real token), "
-                    f"got dtype {padding_mask.dtype}"
-                )
-        return x, padding_mask
 
     def forward(self, x: torch.Tensor, *, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Attend over ``x: (B, T, d)``; padded keys (``padding_mask`` False) are ignored.

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from .._checks import check_positive_int, check_tensor
+from .._checks import check_padding_mask, check_positive_int, check_tensor
 
 __all__ = ["SequenceMixer", "MixerState"]
 
@@ -82,13 +82,8 @@ class SequenceMixer(nn.Module):
         where = type(self).__name__
         check_tensor(where, "x", x, shape=(None, None, self.d_model), floating=True)
         if padding_mask is not None:
-            check_tensor(where, "padding_mask", padding_mask, shape=tuple(x.shape[:2]))
-            if padding_mask.dtype != torch.bool:
-                raise TypeError(
-                    f"{where}: 'padding_mask' must be a bool tensor (True = real token), "
-                    f"got dtype {padding_mask.dtype}"
-                )
-        if self.max_seq_len is not None and x.shape[1] > self.max_seq_len:
+            check_padding_mask(where, padding_mask, tuple(x.shape[:2]), "x", x)
+        if self.length_limited and self.max_seq_len is not None and x.shape[1] > self.max_seq_len:
             raise ValueError(
                 f"{where}: sequence length {x.shape[1]} of 'x' exceeds max_seq_len "
                 f"(T_max) = {self.max_seq_len}"

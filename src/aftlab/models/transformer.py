@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._checks import check_choice, check_positive_int, check_tensor
+from .._checks import check_choice, check_padding_mask, check_positive_int
 from ..mixers import MixerState
 from .blocks import FeedForward, TransformerBlock, mixer_options
 from .config import TransformerConfig
@@ -87,13 +87,7 @@ def _check_padding_mask(
 ) -> torch.Tensor | None:
     if mask is None:
         return None
-    check_tensor(where, "padding_mask", mask, shape=tuple(idx.shape[:2]))
-    if mask.dtype != torch.bool:
-        raise TypeError(
-            f"{where}: 'padding_mask' must be a bool tensor (True = real token), "
-            f"got dtype {mask.dtype}"
-        )
-    return mask
+    return check_padding_mask(where, mask, tuple(idx.shape[:2]), "idx", idx)
 
 
 # --------------------------------------------------------------------------- backbone

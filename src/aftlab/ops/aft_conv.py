@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._checks import check_compatible, check_tensor
+from .._checks import check_compatible, check_padding_mask, check_tensor
 from .scan import stable_prefix_average
 
 __all__ = ["aft_conv", "aft_conv2d", "aft_conv_reference", "aft_conv2d_reference"]
@@ -356,16 +356,7 @@ def _check_inputs(where: str, q, k, v, w, padding_mask, *, grid: bool):
         raise ValueError(f"{where}: 'w' must be square (h, s, s), got {tuple(w.shape)}")
     check_compatible(where, {"q": q, "k": k, "v": v, "w": w})
     if padding_mask is not None:
-        check_tensor(where, "padding_mask", padding_mask, shape=tuple(q.shape[: nd - 2]))
-        if padding_mask.dtype != torch.bool:
-            raise TypeError(
-                f"{where}: 'padding_mask' must be a bool tensor (True = real token), "
-                f"got {padding_mask.dtype}"
-            )
-        if padding_mask.device != q.device:
-            raise ValueError(
-                f"{where}: 'padding_mask' is on {padding_mask.device} but 'q' is on {q.device}"
-            )
+        check_padding_mask(where, padding_mask, tuple(q.shape[: nd - 2]), "q", q)
     return s
 
 

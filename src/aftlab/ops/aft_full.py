@@ -49,7 +49,7 @@ from typing import NamedTuple
 
 import torch
 
-from .._checks import check_compatible, check_tensor
+from .._checks import check_compatible, check_padding_mask, check_tensor
 
 __all__ = ["aft_full", "aft_full_reference", "lse_average"]
 
@@ -383,16 +383,7 @@ def check_aft_inputs(where, q, k, v, w, padding_mask):
         named["w"] = w
     check_compatible(where, named)
     if padding_mask is not None:
-        check_tensor(where, "padding_mask", padding_mask, shape=(B, T))
-        if padding_mask.dtype != torch.bool:
-            raise TypeError(
-                f"{where}: 'padding_mask' must be a bool tensor (True = real token), "
-                f"got {padding_mask.dtype}"
-            )
-        if padding_mask.device != q.device:
-            raise ValueError(
-                f"{where}: 'padding_mask' is on {padding_mask.device} but 'q' is on {q.device}"
-            )
+        check_padding_mask(where, padding_mask, (B, T), "q", q)
 
 
 def aft_full(

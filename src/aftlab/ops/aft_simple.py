@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_compatible, check_tensor
+from .._checks import check_compatible, check_padding_mask, check_tensor
 from .scan import stable_prefix_average
 
 __all__ = ["aft_simple", "aft_simple_reference"]
@@ -30,16 +30,7 @@ def _check_qkv(where: str, q, k, v, padding_mask) -> None:
     check_tensor(where, "v", v, shape=tuple(q.shape), floating=True)
     check_compatible(where, {"q": q, "k": k, "v": v})
     if padding_mask is not None:
-        check_tensor(where, "padding_mask", padding_mask, shape=tuple(q.shape[:2]))
-        if padding_mask.dtype != torch.bool:
-            raise TypeError(
-                f"{where}: 'padding_mask' must be a bool tensor (True = real token), "
-                f"got dtype {padding_mask.dtype}"
-            )
-        if padding_mask.device != q.device:
-            raise ValueError(
-                f"{where}: 'padding_mask' is on {padding_mask.device} but 'q' is on {q.device}"
-            )
+        check_padding_mask(where, padding_mask, tuple(q.shape[:2]), "q", q)
 
 
 def aft_simple(

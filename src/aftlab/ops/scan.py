@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_compatible, check_tensor
+from .._checks import check_compatible, check_padding_mask, check_tensor
 
 __all__ = ["stable_prefix_average", "stable_prefix_average_reference"]
 
@@ -299,15 +299,7 @@ def stable_prefix_average(
                 f"got min {decay.min().item():g}"
             )
     if padding_mask is not None:
-        check_tensor(where, "padding_mask", padding_mask, shape=tuple(k.shape[:2]))
-        if padding_mask.dtype != torch.bool:
-            raise TypeError(
-                f"{where}: 'padding_mask' must be a bool tensor, got {padding_mask.dtype}"
-            )
-        if padding_mask.device != k.device:
-            raise ValueError(
-                f"{where}: 'padding_mask' is on {padding_mask.device} but 'k' is on {k.device}"
-            )
+        check_padding_mask(where, padding_mask, tuple(k.shape[:2]), "k", k)
     out_dtype = k.dtype
     cdt = torch.float32 if out_dtype in _LOW else out_dtype
     B, T, d = k.shape
