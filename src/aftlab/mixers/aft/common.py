@@ -7,13 +7,60 @@ sigma-gated AFT op ``Y = sigma(Q) * (...)`` and projects back with ``W^O`` (then
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..base import SequenceMixer
 
-__all__ = ["AFTMixer"]
+__all__ = ["AFTMixer", "RunningSums"]
+
+
+@dataclass
+class RunningSums:
+    """Decoding state of the O(d)-per-token AFT mixers: sums scaled by a running exponent.
+
+    Elementwise over the channels, after the tokens ``t' < t`` (``lambda = 0`` without decay)::
+
+        a = sum_t' exp(-(t-1-t') lambda + K_t' - p) V_t',   b = the same without V_t'
+
+    with the running exponent ``p`` (``-inf`` before the first token): RWKV's stable WKV state.
+
+    Attributes:
+        a: ``(B, d)`` scaled numerator.
+        b: ``(B, d)`` scaled denominator.
+        p: ``(B, d)`` running exponent.
+        position: number of tokens consumed.
+    """
+
+    a: torch.Tensor
+    b: torch.Tensor
+    p: torch.Tensor
+    position: int = 0
+
+    @classmethod
+    def empty(
+        cls, batch_size: int, d: int, *, device: torch.device | str, dtype: torch.dtype
+    ) -> RunningSums:
+        """The state before any token; float16/bfloat16 states are kept in float32."""
+        dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        z = torch.zeros(batch_size, d, device=device, dtype=dtype)
+        return cls(a=z, b=z.clone(), p=torch.full_like(z, float("-inf")))
+
+    def fold(self, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor | None = None) -> None:
+        """Add token ``(K_t, V_t)`` (``(B, d)`` each), first decaying the past by ``lambda``.
+
+        ``p' = max(p - lambda, K_t)``, ``a' = e^{p-lambda-p'} a + e^{K_t-p'} V_t``,
+        ``b' = e^{p-lambda-p'} b + e^{K_t-p'}``.
+        """
+        carried = self.p if decay is None else self.p - decay
+        p_new = torch.maximum(carried, k)
+        e_old, e_new = torch.exp(carried - p_new), torch.exp(k - p_new)
+        self.a = e_old * self.a + e_new * v
+        self.b = e_old * self.b + e_new
+        self.p = p_new
+        self.position += 1
 
 
 class AFTMixer(SequenceMixer):
@@ -55,9 +102,7 @@ class AFTMixer(SequenceMixer):
         dt = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
         return tuple(t.to(dt) for t in tensors)
 
-    def output(
-        self, y: torch.Tensor, padding_mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def output(self, y: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``dropout(Y W^O)``; rows of queries with no valid key are 0 (as in ``attention``).
 
         Args:

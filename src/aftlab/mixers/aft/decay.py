@@ -12,7 +12,6 @@ Initialisation (RWKV-4): channel ``i`` of layer ``l`` of ``n_layers`` gets
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -20,34 +19,13 @@ from torch import nn
 from ..._checks import check_positive_int
 from ...ops.aft_decay import aft_decay
 from ..registry import register_mixer
-from .common import AFTMixer
+from .common import AFTMixer, RunningSums
 
 __all__ = ["AFTDecay", "AFTDecayState"]
 
-_LOW = (torch.float16, torch.bfloat16)
 
-
-@dataclass
-class AFTDecayState:
-    """Decoding state of AFT-decay (RWKV's WKV state with its stability exponent).
-
-    Elementwise over the channels, after the tokens ``t' < t``::
-
-        a = sum_t' exp(-(t-1-t') lambda + K_t' - p) V_t',   b = the same without V_t'
-
-    with the running exponent ``p`` (``-inf`` before the first token).
-
-    Attributes:
-        a: ``(B, d)`` scaled numerator.
-        b: ``(B, d)`` scaled denominator.
-        p: ``(B, d)`` running exponent.
-        position: number of tokens consumed.
-    """
-
-    a: torch.Tensor
-    b: torch.Tensor
-    p: torch.Tensor
-    position: int = 0
+#: The decoding state of AFT-decay (RWKV's WKV state with its stability exponent).
+AFTDecayState = RunningSums
 
 
 def rwkv_decay_init(d: int, layer_idx: int = 0, n_layers: int = 1) -> torch.Tensor:
@@ -140,14 +118,11 @@ class AFTDecay(AFTMixer):
     ) -> AFTDecayState:
         """Empty state for ``batch_size`` sequences (float16/bfloat16 states stay in float32)."""
         ref = self.time_decay
-        device = ref.device if device is None else device
-        sdt = ref.dtype if dtype is None else dtype
-        sdt = torch.float32 if sdt in _LOW else sdt
-        shape = (batch_size, self.d_model)
-        return AFTDecayState(
-            a=torch.zeros(shape, device=device, dtype=sdt),
-            b=torch.zeros(shape, device=device, dtype=sdt),
-            p=torch.full(shape, float("-inf"), device=device, dtype=sdt),
+        return RunningSums.empty(
+            batch_size,
+            self.d_model,
+            device=ref.device if device is None else device,
+            dtype=ref.dtype if dtype is None else dtype,
         )
 
     def step(self, x: torch.Tensor, state: AFTDecayState) -> tuple[torch.Tensor, AFTDecayState]:
@@ -168,11 +143,5 @@ class AFTDecay(AFTMixer):
         o = torch.maximum(state.p, uk)
         e1, e2 = torch.exp(state.p - o), torch.exp(uk - o)
         wkv = (e1 * state.a + e2 * v) / (e1 * state.b + e2)
-        carried = state.p - lam
-        p_new = torch.maximum(carried, k)
-        e1, e2 = torch.exp(carried - p_new), torch.exp(k - p_new)
-        state.a = e1 * state.a + e2 * v
-        state.b = e1 * state.b + e2
-        state.p = p_new
-        state.position += 1
+        state.fold(k, v, lam)
         return self.output((torch.sigmoid(q) * wkv).to(x.dtype)), state

@@ -8,42 +8,16 @@ Causal instances decode in ``O(d)`` per token with RWKV's running-max state (see
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ...ops.aft_simple import aft_simple
 from ..registry import register_mixer
-from .common import AFTMixer
+from .common import AFTMixer, RunningSums
 
 __all__ = ["AFTSimple", "AFTSimpleState"]
 
-_LOW = (torch.float16, torch.bfloat16)
-
-
-@dataclass
-class AFTSimpleState:
-    """Decoding state of a causal AFT-simple: running sums scaled by a running maximum.
-
-    Elementwise over the channels, after the tokens ``t' < t``::
-
-        p = max_t' K_t',   a = sum_t' exp(K_t' - p) V_t',   b = sum_t' exp(K_t' - p)
-
-    Attributes:
-        a: ``(B, d)`` scaled numerator.
-        b: ``(B, d)`` scaled denominator (>= 1 once a token was seen).
-        p: ``(B, d)`` running maximum of the keys (``-inf`` before the first token).
-        position: number of tokens consumed.
-    """
-
-    a: torch.Tensor
-    b: torch.Tensor
-    p: torch.Tensor
-    position: int = 0
-
-
-def _state_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in _LOW else dtype
+#: The decoding state of a causal AFT-simple (running sums, no decay).
+AFTSimpleState = RunningSums
 
 
 @register_mixer("aft-simple")
@@ -98,13 +72,11 @@ class AFTSimple(AFTMixer):
                 "AFTSimple: init_state() needs a causal mixer; this one has causal=False"
             )
         ref = self.to_q.weight
-        device = ref.device if device is None else device
-        sdt = _state_dtype(ref.dtype if dtype is None else dtype)
-        shape = (batch_size, self.d_model)
-        return AFTSimpleState(
-            a=torch.zeros(shape, device=device, dtype=sdt),
-            b=torch.zeros(shape, device=device, dtype=sdt),
-            p=torch.full(shape, float("-inf"), device=device, dtype=sdt),
+        return RunningSums.empty(
+            batch_size,
+            self.d_model,
+            device=ref.device if device is None else device,
+            dtype=ref.dtype if dtype is None else dtype,
         )
 
     def step(self, x: torch.Tensor, state: AFTSimpleState) -> tuple[torch.Tensor, AFTSimpleState]:
@@ -117,11 +89,6 @@ class AFTSimple(AFTMixer):
         q, k, v = self.project(x)
         sdt = state.a.dtype
         q, k, v = q.to(sdt), k.to(sdt), v.to(sdt)
-        p_new = torch.maximum(state.p, k)
-        e_old, e_new = torch.exp(state.p - p_new), torch.exp(k - p_new)
-        state.a = e_old * state.a + e_new * v
-        state.b = e_old * state.b + e_new
-        state.p = p_new
-        state.position += 1
+        state.fold(k, v)
         y = torch.sigmoid(q) * (state.a / state.b)
         return self.output(y.to(x.dtype)), state
