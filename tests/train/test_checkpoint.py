@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from aftlab.train.checkpoint import (
+    RunLock,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -46,23 +47,29 @@ def test_round_trip_with_tied_weights_and_keep_last(tmp_path):
     assert manifest["step"] == 3 and set(manifest["files"]) == {
         "model.safetensors",
         "config.json",
-        "train_state.pt",
+        "train_state.safetensors",
+        "train_state.json",
     }
     other = Tied()
     state = load_checkpoint(path, other)
-    assert state["step"] == 3
+    assert state["step"] == 3 and load_checkpoint(path, other, with_state=False) == {"step": 3}
     assert torch.equal(other.emb.weight, model.emb.weight) and other.head.weight is other.emb.weight
 
 
-def test_stale_temporary_folder_is_ignored_and_removed(tmp_path):
+def test_stale_temporary_folder_is_ignored_and_removed_under_the_lock(tmp_path):
     model = Tied()
     _save(tmp_path, 1, model)
     stale = tmp_path / "checkpoints" / ".tmp-step_00000002-999"
     stale.mkdir()
     (stale / "model.safetensors").write_bytes(b"half")  # what a kill during a save leaves
+    stale_file = tmp_path / ".tmp-config.toml-999"
+    stale_file.write_text("half")
     assert latest_checkpoint(tmp_path).name == "step_00000001"
     _save(tmp_path, 2, model)
-    assert not stale.exists()
+    assert stale.exists()  # a save never touches another writer's files
+    with RunLock(tmp_path) as lock:
+        lock.remove_stale_temporaries()  # under the lock, no other writer is alive
+    assert not stale.exists() and not stale_file.exists()
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "manifest"])

@@ -72,6 +72,8 @@ def test_unknown_keys_name_the_key_and_close_matches(override, message):
         ({"precision": "fp16"}, "'precision' must be one of"),
         ({"betas": [0.9]}, "'betas' must be two numbers"),
         ({"device": "gpu"}, "'device' must be"),
+        ({"seed": 2**32}, r"'seed' must be in \[0, 2\*\*32\)"),
+        ({"seed": -1}, r"'seed' must be in \[0, 2\*\*32\)"),
         ({"model": {"d_model": 30, "n_heads": 4}}, r"\[model\]: .*n_heads"),
     ],
 )

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import csv
-import json
 from pathlib import Path
+
+from .._json import dumps
 
 __all__ = ["evaluate_targets", "write_report", "summary_markdown", "CSV_FIELDS"]
 
@@ -387,7 +388,7 @@ def summary_markdown(result: dict) -> str:
 def write_report(result: dict, out: Path) -> list[str]:
     """Write results.json, results.csv, summary.md and the plots; return lines to print."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=2, default=str))
+    (out / "results.json").write_text(dumps(result, indent=2, default=str))
     m = result["machine"]
     with open(out / "results.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")

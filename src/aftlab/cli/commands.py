@@ -6,27 +6,12 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+from ..data.base import check_input_path
 from ..train.errors import UsageError
-
-#: Fields that may change when a run is resumed (they do not change what is learned).
-RESUMABLE_CHANGES = (
-    "steps",
-    "eval_interval",
-    "eval_batches",
-    "eval_batch_size",
-    "test_batches",
-    "checkpoint_interval",
-    "keep_last",
-    "log_interval",
-    "sample_tokens",
-    "device",
-    "compile",
-    "out",
-    "data",
-)
 
 
 def _config_args(p: argparse.ArgumentParser, *, out_help: str) -> None:
@@ -57,13 +42,117 @@ def _config_args(p: argparse.ArgumentParser, *, out_help: str) -> None:
     )
 
 
-def _shortcut_overrides(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
+def _overrides(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
+    """The shortcuts ``names`` (``--data``, ...) as ``key=value`` overrides, then ``--set``'s."""
     out = []
     for name in names:
         value = getattr(args, name, None)
         if value is not None:
+            check_text(value, f"--{name}")
             out.append(f"{name}={json.dumps(value)}")
-    return out
+    return out + [check_text(o, "--set") for o in args.overrides]
+
+
+# --------------------------------------------------------------------------- argument checks
+# One check per kind of argument, shared by every command (bad input: one line, exit 2).
+
+
+def check_text(value: object, arg: str) -> object:
+    """``value`` unless it is a string that is not UTF-8 text, which ``arg`` gets as surrogates.
+
+    Python hands command-line bytes that are not UTF-8 over as lone surrogates
+    (``'\\udcff'``); no text file (config.toml) and no byte-level prompt can hold them.
+    """
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise UsageError(
+                f"{arg} is not valid UTF-8 (undecodable byte at character {err.start}); give "
+                "UTF-8 text"
+            ) from None
+    return value
+
+
+def check_config_file(path: str | None) -> None:
+    """``--config FILE`` must be a regular file of UTF-8 text (a pipe is refused unopened)."""
+    if path is None:
+        return
+    p = check_input_path(path, what="config file", arg="--config", error=UsageError)
+    try:
+        p.read_bytes().decode("utf-8")
+    except OSError as err:
+        raise UsageError(
+            f"cannot read config file {path!r} ({err.strerror}); check --config"
+        ) from None
+    except UnicodeDecodeError as err:
+        raise UsageError(
+            f"config file {path!r} is not UTF-8 text (byte 0x{err.object[err.start]:02x} at "
+            f"offset {err.start}); save it as UTF-8 or check --config"
+        ) from None
+
+
+def check_out_dir(path: str | os.PathLike, *, arg: str = "--out") -> Path:
+    """``path`` as a folder that exists or can be created; creates nothing.
+
+    Refuses a broken symbolic link, a file, a path below a file, and a place where this process
+    cannot create a folder (tried with a temporary folder, removed at once).
+    """
+    p = Path(path)
+    try:
+        if p.is_symlink() and not p.exists():
+            raise UsageError(
+                f"{arg} {str(p)!r} is a symbolic link to {os.readlink(p)!r}, which does not "
+                f"exist; remove the link or choose another {arg}"
+            )
+        if p.exists():
+            if not p.is_dir():
+                raise UsageError(f"{arg} {str(p)!r} is a file, not a folder; choose another {arg}")
+            if not os.access(p, os.W_OK | os.X_OK):
+                raise UsageError(f"{arg} {str(p)!r} is not writable; choose another {arg}")
+            return p
+        base = next(a for a in p.absolute().parents if os.path.lexists(a))
+        if not base.is_dir():
+            raise UsageError(
+                f"{arg} {str(p)!r} lies under {str(base)!r}, which is not a folder; choose "
+                f"another {arg}"
+            )
+        os.rmdir(tempfile.mkdtemp(prefix=".aftlab-probe-", dir=base))
+    except OSError as err:
+        raise UsageError(
+            f"{arg} {str(p)!r} cannot be created ({err.strerror}); choose a writable {arg}"
+        ) from None
+    return p
+
+
+def check_device(name: str, *, arg: str = "--device") -> str:
+    """``name`` if it is ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` and this machine has it."""
+    import torch
+
+    if not (name in ("auto", "cpu", "cuda") or (name[:5] == "cuda:" and name[5:].isdigit())):
+        raise UsageError(f"{arg} must be auto, cpu, cuda or cuda:N, got {name!r}")
+    if name.startswith("cuda"):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise UsageError(f"{arg} is {name!r} but CUDA is not available here; use cpu")
+        if name != "cuda" and int(name[5:]) >= count:
+            raise UsageError(
+                f"{arg} is {name!r} but this machine has {count} CUDA device(s): cuda:0 .. "
+                f"cuda:{count - 1}"
+            )
+    return name
+
+
+def check_finite_weights(run) -> None:
+    """A loaded run whose weights hold NaN or inf (a diverged run) is refused."""
+    import torch
+
+    for name, param in run.model.named_parameters():
+        if not torch.isfinite(param).all():
+            raise UsageError(
+                f"the weights in {str(run.checkpoint)!r} are not finite (NaN or inf in {name}): "
+                "the run diverged; train again, e.g. with a smaller lr"
+            )
 
 
 # --------------------------------------------------------------------------- train
@@ -103,13 +192,13 @@ def _default_out(cfg) -> str:
 def resolve_train_config(args: argparse.Namespace):
     """The config ``aftlab train`` runs: file, shortcuts, ``--set``.
 
-    With ``--resume`` it is checked against the run's saved config (see ``RESUMABLE_CHANGES``).
+    With ``--resume`` the run's ``config.toml`` is the base; the :class:`Trainer` checks the
+    result against the checkpoint's own config (``aftlab.train.config.RESUMABLE_CHANGES``).
     """
     from ..train.config import TrainConfig, apply_overrides, load_config
 
-    overrides = _shortcut_overrides(args, ("task", "mixer", "data", "out", "steps")) + list(
-        args.overrides
-    )
+    check_config_file(args.config)
+    overrides = _overrides(args, ("task", "mixer", "data", "out", "steps"))
     if not args.resume:
         return load_config(args.config, overrides)
     out = args.out
@@ -127,21 +216,6 @@ def resolve_train_config(args: argparse.Namespace):
         cfg = load_config(args.config, overrides)
     else:
         cfg = TrainConfig.from_dict(apply_overrides(saved.to_dict(), overrides))
-    old, new = saved.to_dict(), cfg.to_dict()
-    for key in old:
-        if key in RESUMABLE_CHANGES or old[key] == new[key]:
-            continue
-        if isinstance(old[key], dict):
-            sub_keys = sorted(set(old[key]) | set(new[key]))
-            diff = next(k for k in sub_keys if old[key].get(k) != new[key].get(k))
-            key, was, now = f"{key}.{diff}", old[key].get(diff), new[key].get(diff)
-        else:
-            was, now = old[key], new[key]
-        raise UsageError(
-            f"the config does not match the run in {out!r}: {key} is {was!r} there but {now!r} "
-            "here "
-            "(drop that change to resume, or train into a new --out)"
-        )
     return cfg.replace(out=str(out))
 
 
@@ -153,13 +227,16 @@ def cmd_train(args: argparse.Namespace) -> int:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise UsageError("with torchrun, give the run folder explicitly: --out DIR")
         cfg = cfg.replace(out=_default_out(cfg))
-    run_dir = Path(cfg.out)
-    if not args.resume and run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
+    run_dir = check_out_dir(cfg.out)
+    check_device(cfg.device, arg="--set device")
+    if not args.resume and run_dir.exists() and any(run_dir.iterdir()):
         raise UsageError(
             f"run folder {str(run_dir)!r} already exists; continue it with --resume, or choose "
             "another --out"
         )
     summary = Trainer(cfg, run_dir=run_dir, resume=args.resume).fit()
+    if summary.get("diverged"):
+        return 1  # the trainer printed the one line saying where and why
     return 130 if summary.get("interrupted") else 0
 
 
@@ -198,8 +275,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     for name in ("batches", "batch_size"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
-    device = resolve_device(args.device)
+    device = resolve_device(check_device(args.device))
     run = load_run(args.run_dir, device=device, data=args.data)
+    check_finite_weights(run)
     res = evaluate(
         run.model,
         run.task,
@@ -253,8 +331,10 @@ def cmd_sample(args: argparse.Namespace) -> int:
     from ..train.sampling import sample_text
     from ..train.trainer import resolve_device
 
-    device = resolve_device(args.device)
+    check_text(args.prompt, "--prompt")
+    device = resolve_device(check_device(args.device))
     run = load_run(args.run_dir, device=device)
+    check_finite_weights(run)
     if (
         run.task.kind != "lm"
         or getattr(run.task, "image_shape", None) is not None
@@ -307,14 +387,15 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from ..train.compare import DEFAULT_MIXERS, run_compare
     from ..train.config import load_config
 
-    overrides = _shortcut_overrides(args, ("task", "data", "steps")) + list(args.overrides)
+    check_config_file(args.config)
+    overrides = _overrides(args, ("task", "data", "steps"))
     base = load_config(args.config, overrides)
     mixers = [m.strip() for m in args.mixers.split(",")] if args.mixers else list(DEFAULT_MIXERS)
     if not all(mixers):
         raise UsageError(
             f"--mixers {args.mixers!r} has an empty name; expected e.g. attention,aft-local"
         )
-    out = Path(
+    out = check_out_dir(
         args.out or os.path.join("runs", f"compare-{base.task}-{time.strftime('%Y%m%d-%H%M%S')}")
     )
     table = run_compare(base, mixers, out)
@@ -339,6 +420,8 @@ def add_plot(sub) -> None:
 def cmd_plot(args: argparse.Namespace) -> int:
     from ..train.plot import plot_run
 
+    if args.out is not None:
+        check_out_dir(args.out)
     for path in plot_run(args.run_dir, out_dir=args.out):
         print(path)
     return 0

@@ -9,8 +9,12 @@ batches an uninterrupted run reads (the data position *is* the step), and ``N`` 
 
 from __future__ import annotations
 
+import errno
 import math
+import os
+import stat
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -22,6 +26,7 @@ __all__ = [
     "DataError",
     "Task",
     "IGNORE_INDEX",
+    "check_input_path",
     "count_correct",
     "step_rng",
     "shard",
@@ -40,6 +45,54 @@ class DataError(ValueError):
     The message is one line saying what is wrong and what to do; the command line prints it
     and exits with status 2.
     """
+
+
+_SPECIAL_KINDS = (
+    (stat.S_ISCHR, "character device"),
+    (stat.S_ISBLK, "block device"),
+    (stat.S_ISFIFO, "named pipe (FIFO)"),
+    (stat.S_ISSOCK, "socket"),
+)
+
+
+def check_input_path(
+    path: str | os.PathLike,
+    *,
+    what: str,
+    arg: str,
+    folder_ok: bool = False,
+    error: type[Exception] = DataError,
+) -> Path:
+    """``path`` as an existing regular file (or folder, with ``folder_ok``), else ``error``.
+
+    Only ``os.stat`` looks at the path, so a named pipe, a device (``/dev/null``) or a socket is
+    refused without being opened: opening a FIFO would block until someone writes to it.
+
+    Args:
+        path: the path the user gave.
+        what: what it is, for the message (``"data path"``, ``"config file"``).
+        arg: the command-line argument it came from (``"--data"``).
+        folder_ok: accept a folder too.
+        error: the exception class to raise (its message is one line naming ``arg``).
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path` (``~`` expanded).
+    """
+    p = Path(path).expanduser()
+    try:
+        mode = p.stat().st_mode
+    except OSError as err:  # missing, a broken link, a file used as a folder, a loop of links
+        gone = err.errno in (errno.ENOENT, errno.ENOTDIR)
+        problem = "does not exist" if gone else f"cannot be read ({err.strerror})"
+        raise error(f"{what} {str(p)!r} {problem}; check {arg}") from None
+    if stat.S_ISREG(mode) or (folder_ok and stat.S_ISDIR(mode)):
+        return p
+    expected = "a regular file or a folder" if folder_ok else "a regular file"
+    kind = "a folder" if stat.S_ISDIR(mode) else "not a regular file"
+    for test, name in _SPECIAL_KINDS:
+        if test(mode):
+            kind = f"a {name}"
+    raise error(f"{what} {str(p)!r} is {kind}, expected {expected}; check {arg}")
 
 
 def step_rng(*key: int) -> np.random.Generator:

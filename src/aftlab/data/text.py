@@ -41,6 +41,7 @@ from .base import (
     Task,
     check_batch_args,
     check_eval_args,
+    check_input_path,
     shard,
     step_rng,
     take_options,
@@ -213,8 +214,11 @@ def _looks_like_text(head: bytes) -> bool:
 
 
 def _sniff(path: Path) -> bytes:
-    with open(path, "rb") as f:
-        return f.read(_SNIFF)
+    try:
+        with open(path, "rb") as f:
+            return f.read(_SNIFF)
+    except OSError as err:
+        raise DataError(f"cannot read {str(path)!r} ({err.strerror}); check --data") from None
 
 
 def list_text_files(root: Path) -> list[Path]:
@@ -443,17 +447,15 @@ def build_text(
 
 
 def _existing(data: str | os.PathLike | None, task: str) -> Path:
-    """``data`` as an existing, non-empty path, else a :class:`DataError`."""
+    """``data`` as a non-empty regular file or a folder, else a :class:`DataError`."""
     if data is None or str(data) == "":
         raise DataError(
             f"task {task!r} needs a local copy of its data: pass --data PATH "
             "(nothing is downloaded)"
         )
-    path = Path(data).expanduser()
-    if not path.exists():
-        raise DataError(f"data path {path} does not exist; check --data")
+    path = check_input_path(data, what="data path", arg="--data", folder_ok=True)
     if path.is_file() and path.stat().st_size == 0:
-        raise DataError(f"data file {path} is empty; check --data")
+        raise DataError(f"data file {str(path)!r} is empty; check --data")
     return path
 
 
@@ -472,7 +474,7 @@ def _corpus(
             raise DataError(
                 f"the folder {path} has no file named {task!r}; pass --data PATH/TO/{task}"
             )
-        path = path / task
+        path = _existing(path / task, task)
     mm = np.memmap(path, dtype=np.uint8, mode="r")
     n = len(mm)
     standard = sum(_STANDARD)

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from .._json import dumps
 from .build import build_task
 from .checkpoint import atomic_write_text
 from .config import TrainConfig, to_toml
@@ -160,7 +161,7 @@ def run_compare(base: TrainConfig, mixers: list[str], out_dir: str | Path) -> st
         ]
     )
     atomic_write_text(
-        out_dir / "results.json", json.dumps({"rows": rows, "config": base.to_dict()}, indent=2)
+        out_dir / "results.json", dumps({"rows": rows, "config": base.to_dict()}, indent=2)
     )
     png = _plot_curves(out_dir, mixers)
     md = [

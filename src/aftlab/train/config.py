@@ -50,6 +50,8 @@ __all__ = [
     "apply_overrides",
     "parse_override",
     "to_toml",
+    "RESUMABLE_CHANGES",
+    "resume_conflicts",
 ]
 
 #: TransformerConfig fields that the ``[model]`` table may set; the others are derived from the
@@ -162,10 +164,11 @@ class TrainConfig:
             "test_batches",
             "checkpoint_interval",
             "sample_tokens",
-            "seed",
         ):
             if getattr(self, name) < 0:
                 self._fail(name, ">= 0")
+        if not 0 <= self.seed < 2**32:  # NumPy's legacy generator takes 32-bit seeds
+            self._fail("seed", "in [0, 2**32)")
         if self.eval_batch_size is not None and self.eval_batch_size <= 0:
             self._fail("eval_batch_size", "> 0 or absent")
         if not (self.lr > 0 and math.isfinite(self.lr)):
@@ -302,6 +305,51 @@ _FIELD_TYPES: dict[str, Any] = {
     "device": str,
     "out": str,
 }
+
+
+#: Fields that may differ from the checkpoint's config on ``--resume``: they do not change
+#: what one step computes (``steps`` moves the end of the cosine; ``data`` may move, same bytes).
+RESUMABLE_CHANGES = (
+    "steps",
+    "eval_interval",
+    "eval_batches",
+    "eval_batch_size",
+    "test_batches",
+    "checkpoint_interval",
+    "keep_last",
+    "log_interval",
+    "sample_tokens",
+    "device",
+    "compile",
+    "out",
+    "data",
+)
+
+
+def resume_conflicts(saved: dict[str, Any], config: TrainConfig) -> list[str]:
+    """The settings of ``config`` that differ from a checkpoint's ``saved`` train config.
+
+    Fields of :data:`RESUMABLE_CHANGES` may differ; tables are compared key by key.
+
+    Returns:
+        One ``"lr is 0.002 there but 0.01 here"`` per differing (dotted) key; empty when the
+        run may be resumed with ``config``.
+    """
+    new = config.to_dict()
+    out = []
+    for key in sorted(set(saved) | set(new)):
+        if key in RESUMABLE_CHANGES or saved.get(key) == new.get(key):
+            continue
+        old_v, new_v = saved.get(key), new.get(key)
+        if isinstance(old_v, dict) and isinstance(new_v, dict):
+            for sub in sorted(set(old_v) | set(new_v)):
+                if old_v.get(sub) != new_v.get(sub):
+                    out.append(
+                        f"{key}.{sub} is {old_v.get(sub)!r} there but {new_v.get(sub)!r} here"
+                    )
+        else:
+            out.append(f"{key} is {old_v!r} there but {new_v!r} here")
+    return out
 
 
 # --------------------------------------------------------------------------- loading

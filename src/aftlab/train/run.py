@@ -53,7 +53,8 @@ def load_run(
     data: str | None = None,
     load_task: bool = True,
 ) -> LoadedRun:
-    """Load a run folder for evaluation or sampling.
+    """Load a run folder for evaluation or sampling: its config and weights, never its training
+    state (optimizer, RNG), which evaluation does not need.
 
     Args:
         run_dir: a run folder written by ``aftlab train``.
@@ -77,6 +78,6 @@ def load_run(
     task = build_task(config) if load_task else None
     torch.manual_seed(config.seed)
     model = build_model(model_config, info).to(device)
-    state = load_checkpoint(ckpt, model, map_location=device, with_state=True)
+    state = load_checkpoint(ckpt, model, map_location=device, with_state=False)
     model.eval()
-    return LoadedRun(config, model_config, task, model, ckpt, int(state["step"]))
+    return LoadedRun(config, model_config, task, model, ckpt, state["step"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import codecs
+import math
 from typing import Any, TextIO
 
 import torch
@@ -46,20 +47,22 @@ def sample_text(
         task: the task (``encode``/``decode``).
         prompt: text to continue; ``None``: the start of the test split.
         tokens: number of tokens to generate.
-        temperature: softmax temperature (``0``: greedy).
+        temperature: softmax temperature, finite and ``>= 0`` (``0``: greedy).
         top_k: sample among the ``k`` most likely tokens; ``None``: all.
-        seed: seed of the sampling generator.
+        seed: seed of the sampling generator, in ``[0, 2**64)``.
         out: where the text goes.
 
     Returns:
         The generated continuation (without the prompt).
     """
-    if not temperature >= 0:
-        raise UsageError(f"--temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not (temperature >= 0 and math.isfinite(temperature)):
+        raise UsageError(f"--temperature must be >= 0 and finite (0 = greedy), got {temperature}")
     if top_k is not None and not 1 <= top_k <= task.vocab_size:
         raise UsageError(f"--top-k must be in [1, {task.vocab_size}], got {top_k}")
     if tokens <= 0:
         raise UsageError(f"--tokens must be > 0, got {tokens}")
+    if not 0 <= seed < 2**64:
+        raise UsageError(f"--seed must be in [0, 2**64), got {seed}")
     ids = default_prompt(task) if prompt is None else [int(t) for t in task.encode(prompt)]
     if not ids:
         raise UsageError("the prompt is empty; give some text with --prompt")

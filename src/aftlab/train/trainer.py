@@ -17,6 +17,7 @@ resumed run reads the batches an uninterrupted run reads and ends with the same 
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import resource
@@ -35,16 +36,20 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .._json import dumps
 from .build import build_model, build_task, model_config_for, task_info
 from .checkpoint import (
+    LOCK_FILE,
+    RunLock,
     atomic_write_text,
     latest_checkpoint,
     load_checkpoint,
+    read_checkpoint_config,
     rng_state,
     save_checkpoint,
     set_rng_state,
 )
-from .config import TrainConfig, to_toml
+from .config import TrainConfig, resume_conflicts, to_toml
 from .errors import UsageError
 from .optim import build_optimizer, lr_at
 from .progress import Progress, format_duration
@@ -218,7 +223,13 @@ class Trainer:
 
     Files written (rank 0 only): ``config.toml`` (resolved config), ``task.json``,
     ``metrics.jsonl`` (one JSON object per step and per evaluation), ``checkpoints/``,
-    ``summary.json`` (at the end).
+    ``summary.json`` (at the end); all JSON is strict (a non-finite number is ``null``).
+
+    Safety: :meth:`fit` holds the run folder's :class:`~aftlab.train.checkpoint.RunLock` from
+    start to end (a second process training into it gets a :class:`UsageError` and changes
+    nothing); a resume must keep every setting of the checkpoint's config except
+    :data:`~aftlab.train.config.RESUMABLE_CHANGES`, and ``steps`` may not be below the
+    checkpoint's step; a non-finite loss stops the run before anything non-finite is saved.
     """
 
     def __init__(
@@ -238,9 +249,59 @@ class Trainer:
         self._stop_signal: int | None = None
 
     # ----------------------------------------------------------------- setup
+    def _lock(self) -> None:
+        """Rank 0 locks the run folder (every rank stops when it cannot); checks what it holds."""
+        error = None
+        if self.dist.is_main:
+            try:
+                self._check_new_run()
+                self._run_lock = RunLock(self.run_dir)
+                self._check_new_run()  # again: another process may have started in between
+                if self.resume:
+                    self._run_lock.remove_stale_temporaries()
+            except UsageError as e:
+                error = e
+        failed = torch.tensor(float(error is not None), device=self.device)
+        if float(self._all_reduce(failed, dist.ReduceOp.MAX if self.dist.active else None)) > 0:
+            raise error or UsageError(f"rank 0 could not lock the run folder {str(self.run_dir)!r}")
+
+    def _check_new_run(self) -> None:
+        """Without ``resume``, the run folder must be absent or empty (but for the lock file)."""
+        d = self.run_dir
+        if self.resume or not d.exists():
+            return
+        if not d.is_dir() or any(p.name != LOCK_FILE for p in d.iterdir()):
+            raise UsageError(
+                f"run folder {str(d)!r} already exists; continue it with --resume, or choose "
+                "another --out"
+            )
+
+    def _check_resume(self, ckpt: Path) -> None:
+        """Refuse to resume from ``ckpt`` with settings that change what is learned."""
+        saved = read_checkpoint_config(ckpt)
+        step = int(ckpt.name.removeprefix("step_"))
+        if not isinstance(saved.get("train"), dict):
+            raise UsageError(f"checkpoint {str(ckpt)!r} has an unreadable config.json (no train)")
+        conflicts = resume_conflicts(saved["train"], self.config)
+        if conflicts:
+            raise UsageError(
+                f"cannot resume {str(self.run_dir)!r} with a different config: "
+                f"{'; '.join(conflicts)} (compared with {ckpt.name}/config.json; drop those "
+                "changes, or train into a new --out; docs/training.md lists what may change)"
+            )
+        if self.config.steps < step:
+            raise UsageError(
+                f"cannot resume {str(self.run_dir)!r} with steps={self.config.steps}: its "
+                f"checkpoint is at step {step} (give --steps {step} or more)"
+            )
+
     def _setup(self) -> None:
         cfg = self.config
         self.dist, self.device = init_distributed(cfg.device)
+        self._lock()
+        ckpt = latest_checkpoint(self.run_dir) if self.resume else None
+        if ckpt is not None:
+            self._check_resume(ckpt)
         per_rank, rem = divmod(cfg.batch_size, self.dist.world_size)
         if rem or per_rank % cfg.grad_accum:
             raise UsageError(
@@ -263,14 +324,18 @@ class Trainer:
         )
         self.step = 0
         self.tokens_seen = 0
-        if self.resume:
-            ckpt = latest_checkpoint(self.run_dir)
-            if ckpt is not None:
-                state = load_checkpoint(ckpt, self.model, map_location=self.device)
+        if ckpt is not None:
+            state = load_checkpoint(ckpt, self.model, map_location=self.device)
+            try:
                 self.optimizer.load_state_dict(state["optimizer"])
                 set_rng_state(state["rng"])
                 self.step = int(state["step"])
                 self.tokens_seen = int(state["tokens_seen"])
+            except (KeyError, TypeError, ValueError, RuntimeError) as e:
+                raise UsageError(
+                    f"checkpoint {str(ckpt)!r} has an unreadable training state "
+                    f"({type(e).__name__}: {e}); delete it to fall back to the previous one"
+                ) from None
         train_model: nn.Module = self.model
         if cfg.compile:
             train_model = torch.compile(train_model)
@@ -285,7 +350,7 @@ class Trainer:
             atomic_write_text(self.run_dir / "config.toml", to_toml(cfg))
             atomic_write_text(
                 self.run_dir / "task.json",
-                json.dumps({**self.task_info, "info": _jsonable(self.task.info())}, indent=2),
+                dumps({**self.task_info, "info": _jsonable(self.task.info())}, indent=2),
             )
             self._trim_metrics()
 
@@ -306,8 +371,14 @@ class Trainer:
     # ----------------------------------------------------------------- helpers
     def _log(self, record: dict[str, Any]) -> None:
         if self.dist.is_main:
-            self._metrics.write(json.dumps(record) + "\n")
-            self._metrics.flush()
+            try:
+                self._metrics.write(dumps(record) + "\n")
+                self._metrics.flush()
+            except OSError as e:
+                raise UsageError(
+                    f"could not write {str(self.run_dir / 'metrics.jsonl')!r}: {e.strerror or e} "
+                    "(free some space, then continue with --resume)"
+                ) from None
 
     def _all_reduce(self, t: torch.Tensor, op=None) -> torch.Tensor:
         if self.dist.active:
@@ -320,6 +391,8 @@ class Trainer:
 
     def _save(self) -> Path | None:
         path = None
+        if not all(bool(torch.isfinite(p).all()) for p in self.model.parameters()):
+            raise _Diverged(self.step, "the weights are not finite")  # never saved
         if self.dist.is_main and self._last_saved != self.step:
             path = save_checkpoint(
                 self.run_dir,
@@ -408,8 +481,21 @@ class Trainer:
         Returns:
             The summary (also written to ``summary.json``): parameters, steps, final train loss,
             test loss and metric, training tokens/s, peak memory; ``"interrupted": True`` when
-            a signal stopped the run (after saving a checkpoint).
+            a signal stopped the run (after saving a checkpoint); ``"diverged": True`` when the
+            loss became non-finite (nothing saved after the last good checkpoint, no summary).
+
+        Raises:
+            UsageError: another process holds the run folder, a resume that changes the config,
+                a failed write (disk full), bad data.
         """
+        self._run_lock: RunLock | None = None
+        try:
+            return self._fit()
+        finally:
+            if self._run_lock is not None:
+                self._run_lock.release()
+
+    def _fit(self) -> dict[str, Any]:
         self._setup()
         cfg = self.config
         if self.device.type == "cuda":
@@ -447,6 +533,8 @@ class Trainer:
             while self.step < cfg.steps:
                 t0 = time.perf_counter()
                 loss = self._train_step()
+                if not math.isfinite(loss):
+                    raise _Diverged(self.step, f"the loss is {loss}")
                 dt = time.perf_counter() - t0
                 train_time += dt
                 tok_s = (self.tokens_seen - session_tokens0) / max(train_time, 1e-9)
@@ -488,6 +576,19 @@ class Trainer:
                 if cfg.checkpoint_interval and self.step % cfg.checkpoint_interval == 0:
                     self._save()
             self._save()
+        except _Diverged as e:
+            progress.close()
+            if self.dist.is_main:
+                last = latest_checkpoint(self.run_dir)
+                print(
+                    f"aftlab: error: training diverged at step {e.step}/{cfg.steps}: {e.reason}; "
+                    f"stopped without saving (last good checkpoint: "
+                    f"{last.name if last else 'none'}); lower lr (or raise warmup) and train "
+                    "into a new --out",
+                    file=self.stream,
+                    flush=True,
+                )
+            return {"diverged": True, "step": e.step}
         finally:
             progress.close()
             for sig, h in handlers.items():
@@ -516,7 +617,7 @@ class Trainer:
             summary.update(
                 {"test_loss": test["loss"], "test_" + self.task.metric: test[self.task.metric]}
             )
-            atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2))
+            atomic_write_text(self.run_dir / "summary.json", dumps(summary, indent=2))
             print(
                 f"test {self.task.metric}: {test[self.task.metric]:.4f}  (loss "
                 f"{test['loss']:.4f} nats, "
@@ -572,4 +673,12 @@ def _is_pixel_task(task: Any) -> bool:
 
 
 def _jsonable(obj: Any) -> Any:
-    return json.loads(json.dumps(obj, default=str))
+    return json.loads(dumps(obj, default=str))
+
+
+class _Diverged(Exception):
+    """A non-finite loss or weights at ``step``: :meth:`Trainer.fit` stops without saving."""
+
+    def __init__(self, step: int, reason: str) -> None:
+        super().__init__(f"step {step}: {reason}")
+        self.step, self.reason = step, reason
