@@ -16,6 +16,9 @@ from aftlab.bench import CASES, BenchConfig, Shape, default_cases, run_bench
 from aftlab.bench.cli import add_arguments, config_from_args, main
 from aftlab.bench.gate import check_case
 from aftlab.bench.measure import (
+    COMPARE_BUILDERS,
+    PEERS,
+    WKV,
     CaseSpec,
     _peak_memory,
     read_status_kib,
@@ -82,7 +85,7 @@ def test_end_to_end_writes_schema(tmp_path):
     assert all(r["cpu_model"] and r["command"] == "aftlab bench --test" for r in csv_rows)
 
     summary = (tmp_path / "summary.md").read_text()
-    assert "| attention-sdpa |" in summary and "## Targets (issue 5)" in summary
+    assert "| attention-sdpa |" in summary and "## Targets (issue 8)" in summary
     pytest.importorskip("matplotlib")
     for mode in ("forward", "train", "decode"):
         assert (tmp_path / f"bench_{mode}.png").stat().st_size > 0
@@ -195,6 +198,7 @@ def _parse(*argv):
         (["--max-seconds-per-case", "0"], "--max-seconds-per-case"),
         (["--max-total-minutes", "-1"], "--max-total-minutes"),
         (["--also-noncausal", "aft-full", "--mixers", "aft-simple"], "--also-noncausal"),
+        (["--peers", "aft-pytorch,nope"], "--peers"),
     ],
 )
 def test_bad_arguments_raise_one_line_value_error(argv, expected):
@@ -234,7 +238,7 @@ def test_tensor_bytes_counts_each_storage_once():
     assert tensor_bytes(state) == 10 * 4 * 4 + 3 * 8
 
 
-def _fake(mixer, mode, T, t, causal=True, peak=1, floor=None):
+def _fake(mixer, mode, T, t, causal=True, nbytes=None):
     return {
         "mixer": mixer,
         "mode": mode,
@@ -242,48 +246,150 @@ def _fake(mixer, mode, T, t, causal=True, peak=1, floor=None):
         "causal": causal,
         "status": "ok",
         "time_median_s": t,
-        "peak_bytes": peak,
-        "ratio_to_floor": floor,
+        "bytes": nbytes,
     }
 
 
-def test_targets_met_and_missed_from_measurements():
+def _peer_row(peer, pair, impl, mode, T, t, finite=True):
+    return {
+        "peer": peer,
+        "pair": pair,
+        "impl": impl,
+        "variant": pair if impl == "aftlab" else "theirs",
+        "mode": mode,
+        "T": T,
+        "status": "ok",
+        "time_median_s": t,
+        "finite": True,
+        "finite_large_input": finite,
+    }
+
+
+def test_targets_met_and_missed_with_shortfall():
     rows = [
-        _fake("aft-simple", "train", 2048, 1.0, floor=2.0),
-        _fake("aft-simple", "train", 16384, 12.0, floor=4.0),
-        _fake("aft-local", "train", 2048, 1.0),
-        _fake("aft-local", "train", 16384, 8.5, peak=10),
+        _fake("attention-sdpa", "train", 256, 0.1),
         _fake("attention-sdpa", "train", 4096, 40.0),
-        _fake("aft-simple", "train", 4096, 2.0),
-        _fake("aft-local", "train", 4096, 10.0),
-        _fake("attention-sdpa", "train", 16384, 100.0, peak=20),
-        _fake("aft-full", "train", 2048, 3.0, causal=False),
-        _fake("aft-full-matmul", "train", 2048, 2.5, False),
-        _fake("aft-full", "train", 2048, 1.5),
-        _fake("aft-decay", "decode", 128, 1e-4),
-        _fake("aft-decay", "decode", 16384, 2e-4),
+        _fake("aft-simple", "train", 4096, 1.0),  # 40x >= 30x
+        _fake("aft-decay", "train", 4096, 2.0),  # 20x < 25x: missed by 1.25x
+        _fake("aft-local", "train", 256, 0.2),  # slower than SDPA at T=256: missed by 2x
+        _fake("aft-local", "train", 4096, 4.0),  # 10x < 12x
+        _fake("aft-simple", "train", 2048, 1.0),
+        _fake("aft-simple", "train", 16384, 8.5),  # 8.5 <= 9
+        _fake("aft-decay", "train", 2048, 1.0),
+        _fake("aft-decay", "train", 16384, 12.0),  # 12 > 9: missed by 4/3
+        _fake("aft-simple", "forward", 1024, 9.0, nbytes=1e9),
+        _fake("aft-simple", "forward", 16384, 1.0, nbytes=40e9),  # 2.5x the floor of 0.4 s
+        _fake("aft-full", "train", 2048, 2.0, causal=False),
+        _fake("aft-full-matmul", "train", 2048, 2.5, causal=False),  # 0.8 <= 1.2
+        _fake("aft-full", "train", 2048, 1.5),  # 0.75 > 0.6
     ]
-    result = {
-        "results": rows,
-        "config": {"causal": True, "lengths": [2048, 4096, 16384]},
-        "compare": [],
+    compare = [
+        _peer_row("hf-rwkv", "aft-decay", "aftlab", "train", 2048, 0.1),
+        _peer_row("hf-rwkv", "aft-decay", "hf-rwkv", "train", 2048, 10.0),  # 100x < 150x
+        _peer_row("aft-pytorch", "aft-simple", "aftlab", "forward", 1024, 1.0),
+        _peer_row("aft-pytorch", "aft-simple", "aft-pytorch", "forward", 1024, 4.0),
+        _peer_row("aft-pytorch", "aft-simple", "aftlab", "train", 1024, 1.0, finite=False),
+        _peer_row("aft-pytorch", "aft-simple", "aft-pytorch", "train", 1024, 2.5),  # 2.5 < 3
+        {"peer": "x", "status": "skipped", "note": "not installed"},
+    ]
+    result = {"results": rows, "compare": compare, "limits": {"copy_bytes_per_s": 100e9}}
+    t = {x["target"]: x for x in evaluate_targets(result)}
+
+    def check(prefix, status, value=None, shortfall=None):
+        (row,) = [x for k, x in t.items() if k.startswith(prefix)]
+        assert row["status"] == status, row
+        if value is not None:
+            assert row["value"] == pytest.approx(value)
+        assert (row["shortfall"] is None) == (shortfall is None), row
+        if shortfall is not None:
+            assert row["shortfall"] == pytest.approx(shortfall)
+            assert f"missed by {shortfall:.3g}" in row["measured"]
+        return row
+
+    check("aft-simple causal train at T=4096", "met", 40.0)
+    check("aft-decay causal train at T=4096", "missed", 20.0, 1.25)
+    check("aft-local causal train at T=4096", "missed", 10.0, 1.2)
+    assert "n/a" in check("aft-conv causal train at T=4096", "n/a")["measured"]
+    every = check("aft-local causal train faster than attention-sdpa at every", "missed", 0.5, 2)
+    assert "T=256" in every["measured"]
+    check("aft-simple train t(16384)", "met", 8.5)
+    check("aft-decay train t(16384)", "missed", 12.0, 12 / 9)
+    floor = check("aft-simple causal forward", "missed", 2.5, 1.25)
+    assert "T=16384" in floor["measured"]
+    check("aft-decay causal forward", "n/a")
+    check("aft-full (non-causal) train", "met", 0.8)
+    check("causal aft-full train", "missed", 0.75, 1.25)
+    check("aft-decay train at T=2048 >= 150x", "missed", 100.0, 1.5)
+    check("aftlab aft-simple >= 3x faster than aft-pytorch", "missed", 2.5, 1.2)
+    check("aftlab aft-full >= 3x", "n/a")
+    check("aftlab finite", "missed", 1, 1)
+
+
+@pytest.fixture
+def transformers_installed():
+    pytest.importorskip("transformers", reason="the hf-rwkv peer needs transformers (test extra)")
+
+
+def _peer_run(tmp_path, **kw):
+    cfg = BenchConfig(
+        mixers=["aft-decay"],
+        lengths=[16],
+        modes=["forward", "train"],
+        causal=True,
+        peers=["hf-rwkv"],
+        compare_lengths=[8, 16],
+        isolate=False,
+        out=tmp_path,
+        **TINY,
+    )
+    return run_bench(cfg, log=None, **kw)
+
+
+def test_hf_rwkv_peer_is_gated_timed_and_reported(tmp_path, transformers_installed):
+    result = _peer_run(tmp_path)
+    rows = result["compare"]
+    assert {(r["impl"], r["mode"], r["T"]) for r in rows} == {
+        (i, m, T) for i in ("aftlab", "hf-rwkv") for m in ("forward", "train") for T in (8, 16)
     }
-    t = {(x["id"], x["target"].split()[0]): x for x in evaluate_targets(result)}
-    assert t[("linear-growth", "aft-simple")]["status"] == "missed"  # 12x > 10x
-    assert t[("linear-growth", "aft-local")]["status"] == "met"
-    assert t[("linear-growth", "aft-conv")]["status"] == "n/a"
-    assert t[("vs-sdpa", "aft-simple")]["value"] == pytest.approx(20.0)
-    assert t[("vs-sdpa", "aft-simple")]["status"] == "met"
-    assert t[("vs-sdpa", "aft-local")]["status"] == "missed"  # 4x < 6x
-    assert t[("memory-vs-sdpa", "aft-local")]["status"] == "met"
-    assert t[("near-floor", "aft-simple")]["status"] == "missed"  # 4x floor at the largest T
-    assert t[("full-vs-matmul", "aft-full")]["value"] == pytest.approx(1.2)
-    causal_train = [
-        x for x in evaluate_targets(result) if x["target"].startswith("causal aft-full train")
-    ][0]
-    assert causal_train["status"] == "met" and causal_train["value"] == pytest.approx(0.5)
-    decay = [x for x in evaluate_targets(result) if x["target"].startswith("aft-decay decode")][0]
-    assert decay["status"] == "missed" and decay["value"] == pytest.approx(2.0)
+    for r in rows:
+        assert r["status"] == "ok", r["note"]
+        assert r["gate"] == "passed" and r["gate_max_error"] < 1e-4
+        assert r["time_median_s"] > 0 and r["finite"] and r["finite_large_input"]
+    summary = (tmp_path / "summary.md").read_text()
+    assert "## Targets (issue 8)" in summary and "## Against peers" in summary
+    line = next(
+        x for x in summary.splitlines() if "| rwkv_linear_attention_cpu | train | 16 |" in x
+    )
+    assert line.rstrip().endswith("x |")  # the speed ratio of ours over theirs
+    (target,) = [x for x in result["targets"] if "rwkv_linear_attention_cpu" in x["target"]]
+    assert target["status"] == "n/a" and "T=2048" in target["target"]
+
+
+class _WrongWKV(WKV):
+    def forward(self, x):
+        return super().forward(x) * 1.01
+
+
+def test_peer_gate_refuses_a_wrong_peer_and_a_missing_one_is_a_note(tmp_path, monkeypatch):
+    name = "cmp:hf-rwkv:rwkv_linear_attention_cpu"
+    monkeypatch.setitem(COMPARE_BUILDERS, name, lambda s: _WrongWKV(s, "aftlab"))
+    rows = _peer_run(tmp_path)["compare"]
+    theirs = [r for r in rows if r["impl"] == "hf-rwkv"]
+    assert len(theirs) == 4 and all(r["status"] == "failed" for r in theirs)
+    assert all(
+        "correctness gate failed" in r["note"] and r["time_median_s"] is None for r in theirs
+    )
+    assert all(r["status"] == "ok" for r in rows if r["impl"] == "aftlab")
+
+    monkeypatch.setitem(PEERS, "hf-rwkv", ("no_such_module_aftlab", "transformers", ()))
+    (row,) = _peer_run(tmp_path)["compare"]
+    assert row["status"] == "skipped" and "transformers is not installed" in row["note"]
+    assert "transformers is not installed" in (tmp_path / "summary.md").read_text()
+
+
+def test_old_compare_flag_and_peers_flag():
+    cfg = config_from_args(_parse("--compare-aft-pytorch", "--peers", "hf-rwkv"))
+    assert cfg.compare_aft_pytorch and cfg.peers == ["hf-rwkv"]
 
 
 @pytest.mark.parametrize(

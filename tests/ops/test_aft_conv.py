@@ -11,6 +11,8 @@ from aftlab.functional import aft_conv
 from aftlab.ops.aft_conv import aft_conv_reference
 from aftlab.testing import assert_close
 
+pytestmark = pytest.mark.usefixtures("impl")  # kernel and PyTorch (conftest.py)
+
 F64 = torch.float64
 
 
@@ -246,3 +248,18 @@ def test_bad_input_errors_name_argument_and_shapes():
         aft_conv(q, k, v, w, padding_mask=torch.ones(2, 4, dtype=torch.bool))
     with pytest.raises(TypeError, match="'padding_mask' must be a bool tensor"):
         aft_conv(q, k, v, w, padding_mask=torch.ones(2, 5))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    "qshape, kc", [((2, 6, 3, 0), 1), ((2, 6, 3, 0), 0), ((2, 6, 0, 4), 1), ((0, 6, 3, 4), 1)]
+)
+def test_empty_channels_heads_or_batch(qshape, kc, causal):
+    """c = 0, h = 0 or B = 0: an empty output of the right shape, and a backward that works."""
+    q, v = (torch.randn(qshape, requires_grad=True) for _ in range(2))
+    k = torch.randn(*qshape[:3], kc, requires_grad=True)
+    w = torch.randn(qshape[2], 3, requires_grad=True)
+    y = aft_conv(q, k, v, w, causal=causal)
+    assert y.shape == qshape
+    y.sum().backward()
+    assert [x.grad.shape for x in (q, k, v, w)] == [q.shape, k.shape, v.shape, w.shape]

@@ -148,3 +148,15 @@ def test_bad_input_errors_name_argument_and_shapes():
         match=r"'padding_mask' must have 3 dimensions \(2, 3, 4\), got 2 with shape \(2, 12\)",
     ):
         aft_conv2d(q, k, v, w, padding_mask=torch.ones(2, 12, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("qshape", [(2, 4, 4, 3, 0), (2, 4, 4, 0, 2), (0, 4, 4, 3, 2)])
+def test_empty_channels_heads_or_batch(qshape):
+    """c = 0, h = 0 or B = 0: an empty output of the right shape, and a backward that works."""
+    q, v = (torch.randn(qshape, requires_grad=True) for _ in range(2))
+    k = torch.randn(*qshape[:4], 1, requires_grad=True)
+    w = torch.randn(qshape[3], 3, 3, requires_grad=True)
+    y = aft_conv2d(q, k, v, w)
+    assert y.shape == qshape
+    y.sum().backward()
+    assert [x.grad.shape for x in (q, k, v, w)] == [q.shape, k.shape, v.shape, w.shape]

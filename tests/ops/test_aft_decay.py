@@ -1,4 +1,7 @@
-"""aft_decay against its float64 per-position reference; relations; stability; bad input."""
+"""aft_decay against its float64 per-position reference; relations; stability; bad input.
+
+Every test runs twice: on the C++ kernel and on the pure-PyTorch implementation.
+"""
 
 import pytest
 import torch
@@ -8,6 +11,9 @@ from aftlab.ops.aft_decay import aft_decay_reference
 from aftlab.testing import assert_close
 
 F64 = torch.float64
+
+
+pytestmark = pytest.mark.usefixtures("impl")  # both implementations (conftest.py)
 
 
 def _inputs(B, T, d, *, kscale=3.0, vscale=1.0, dtype=F64):
@@ -35,7 +41,7 @@ def _compare(q, k, v, decay, bonus, *, padding_mask=None, atol=None, rtol=None, 
             assert_close(name, a, e, atol=atol, rtol=rtol)
 
 
-@pytest.mark.parametrize("T", [1, 2, 7, 64, 257])
+@pytest.mark.parametrize("T", [1, 2, 7, 64, 257, 1000])
 def test_matches_reference(T):
     _compare(*_inputs(2 if T < 100 else 1, T, 5))
 
@@ -43,6 +49,43 @@ def test_matches_reference(T):
 def test_gradcheck():
     q, k, v, decay, bonus = _inputs(1, 9, 2)
     assert torch.autograd.gradcheck(aft_decay, (q, k, v, decay, bonus))
+
+
+def test_gradcheck_padding_mask():
+    q, k, v, decay, bonus = _inputs(2, 11, 3)
+    mask = torch.rand(2, 11) > 0.4
+    mask[1, :4] = False
+
+    def fn(q, k, v, decay, bonus):
+        return aft_decay(q, k, v, decay, bonus, padding_mask=mask)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v, decay, bonus))
+
+
+def test_float32_odd_channels():
+    # d = 259: a full block of 256 channels and a ragged one of 3 (the kernel's channel blocks).
+    q, k, v, decay, bonus = _inputs(2, 70, 259, dtype=torch.float32)
+    mask = torch.rand(2, 70) > 0.2
+    # dlambda sums ~T terms that cancel: float32 gets a looser absolute tolerance for it.
+    _compare(q, k, v, decay, bonus, padding_mask=mask, atol=2e-5, rtol=1e-4, loose=("ddecay",))
+    y = aft_decay(q, k, v, decay, bonus, padding_mask=mask)
+    ins = [t.detach().double().requires_grad_() for t in (q, k, v, decay, bonus)]
+    g = torch.randn_like(y)
+    dl = torch.autograd.grad((y * g).sum(), decay)[0]
+    dl0 = torch.autograd.grad((aft_decay_reference(*ins, padding_mask=mask) * g).sum(), ins[3])
+    assert_close("ddecay", dl, dl0[0], atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_later_position_cannot_change_earlier_outputs(bad):
+    q, k, v, decay, bonus = (t.detach() for t in _inputs(2, 40, 5))
+    y = aft_decay(q, k, v, decay, bonus)
+    for x in (q, k, v):
+        x2 = x.clone()
+        x2[:, 23] = bad
+        ins = [x2 if t is x else t for t in (q, k, v)]
+        y2 = aft_decay(*ins, decay, bonus)
+        assert torch.equal(y2[:, :23], y[:, :23])
 
 
 def test_definition_small_case():
@@ -148,3 +191,73 @@ def test_bad_inputs():
         aft_decay(q, q.double(), q, dec, bon)
     with pytest.raises(ValueError, match="'padding_mask'"):
         aft_decay(q, q, q, dec, bon, padding_mask=torch.ones(5, dtype=torch.bool))
+
+
+# ----------------------------------------------------------------------------- numerical range
+MAX32 = torch.finfo(torch.float32).max
+
+
+@pytest.mark.parametrize("key", [-MAX32, -1e38, 0.0, 1e38, MAX32])
+@pytest.mark.parametrize("bonus", [-MAX32, -1e38, 0.0, MAX32])
+def test_first_token_is_its_own_value_whatever_key_and_bonus(key, bonus):
+    # The first token sees only itself: Y_0 = sigma(Q_0) V_0. A finite "no key yet" maximum
+    # (-max/4) gave NaN (kernel, keys near -max) or 0 (PyTorch, bonus near -1e38).
+    q, v = torch.tensor([[[0.5, -1.0]]]), torch.tensor([[[3.0, -2.0]]])
+    k = torch.full((1, 1, 2), key)
+    y = aft_decay(q, k, v, torch.tensor([0.0, MAX32]), torch.full((2,), bonus))
+    assert_close("Y_0", y, torch.sigmoid(q) * v)
+
+
+def test_extreme_keys_decay_bonus_match_reference():
+    # Scores beyond the float range (u + K, t lambda) must neither overflow into NaN nor be
+    # clamped: exact ties, a past that dominates a huge negative bonus, a decay ~1e38.
+    k = torch.tensor([[[-3e38, 3e38, 3e38], [-3e38, 3e38, 3e38], [0.0, 0.0, 2e38]]])
+    q, v = torch.zeros(1, 3, 3), torch.tensor([[[1.0, 2.0, 3.0], [-4.0, 5.0, 6.0], [7, 8, 9]]])
+    decay = torch.tensor([0.0, 3e38, 1.3e38])
+    bonus = torch.tensor([0.0, -3e38, 0.0])
+    y = aft_decay(q, k, v, decay, bonus)
+    y0 = aft_decay_reference(q, k, v, decay, bonus)
+    assert torch.isfinite(y).all()
+    assert_close("Y", y, y0)
+    assert_close("Y (ties)", y[0, 1, 0], torch.tensor(-1.5) * 0.5)
+
+
+def test_all_padded_row_with_huge_decay():
+    # A row without a real token gets 0 (it was NaN for a decay ~1e38 on the PyTorch path).
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 5, 2, generator=gen) for _ in range(3))
+    decay, bonus = torch.tensor([3e38, 1e38]), torch.zeros(2)
+    y = aft_decay(q, k, v, decay, bonus, padding_mask=torch.zeros(1, 5, dtype=torch.bool))
+    assert torch.equal(y, torch.zeros_like(y))
+
+
+def test_values_near_float32_max_stay_finite():
+    # n exp(m) + e^{u + k} v overflowed for three values ~1e38 (weights ~1); the average of
+    # values is bounded by max |V|.
+    gen = torch.Generator().manual_seed(4)
+    k = torch.randn(2, 3, 3, generator=gen) * 0.1
+    v = (torch.randn(2, 3, 3, generator=gen, dtype=F64) * 1e38).clamp(-MAX32, MAX32).float()
+    v[0, :, 0], v[1, :, 0] = MAX32, -MAX32
+    q, decay, bonus = torch.full((2, 3, 3), 20.0), torch.rand(3, generator=gen), torch.zeros(3)
+    y = aft_decay(q, k, v, decay, bonus)
+    assert torch.isfinite(y).all()
+    assert_close("Y", y, aft_decay_reference(q, k, v, decay, bonus), atol=3e33, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(0, 5, 3), (2, 0, 3), (2, 5, 0)])
+def test_zero_sizes(shape):
+    q, k, v = (torch.randn(shape, dtype=F64, requires_grad=True) for _ in range(3))
+    decay, bonus = (torch.rand(shape[2], dtype=F64, requires_grad=True) for _ in range(2))
+    y = aft_decay(q, k, v, decay, bonus)
+    assert y.shape == shape
+    y.sum().backward()
+    for x in (q, k, v, decay, bonus):
+        assert x.grad is None or (x.grad.shape == x.shape and not x.grad.any())
+
+
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_nan_input_gives_nan_output(which):
+    q, k, v, decay, bonus = (t.detach() for t in _inputs(2, 9, 3))
+    {"k": k, "v": v}[which][:, 4] = float("nan")
+    y = aft_decay(q, k, v, decay, bonus)
+    assert torch.isnan(y[:, 4:]).all() and torch.isfinite(y[:, :4]).all()

@@ -55,7 +55,7 @@ def test_matches_reference(T, causal, dtype):
 
 
 def test_causal_block_pairs(monkeypatch):
-    """Many small causal blocks: block-triangular products, running key max, padding, rescue."""
+    """Many small causal blocks: block-triangular products, key shifts, padding, rescue."""
     monkeypatch.setattr(aft_full_module, "_CAUSAL_BLOCK", (4, 4))
     B, T, d = 2, 19, 3
     pm = torch.ones(B, T, dtype=torch.bool)
@@ -193,6 +193,29 @@ def test_empty_sequence(causal):
     assert y.shape == (2, 0, 3)
     y.sum().backward()
     assert q.grad.shape == (2, 0, 3)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(0, 5, 3), (2, 5, 0), (0, 600, 2)])
+def test_empty_batch_or_channels(shape, causal):
+    """B = 0 or d = 0: an empty output of the right shape, and a backward that works."""
+    q, k, v = (torch.randn(*shape, requires_grad=True) for _ in range(3))
+    w = torch.randn(shape[1], shape[1], requires_grad=True)
+    y = aft_full(q, k, v, w, causal=causal)
+    assert y.shape == shape
+    y.sum().backward()
+    assert [x.grad.shape for x in (q, k, v, w)] == [q.shape, k.shape, v.shape, w.shape]
+
+
+def test_language_model_on_an_empty_batch():
+    from aftlab.models.config import TransformerConfig
+    from aftlab.models.transformer import TransformerLM
+
+    cfg = TransformerConfig(d_model=16, n_layers=1, n_heads=2, max_seq_len=8, mixer="aft-full")
+    out = TransformerLM(cfg)(torch.zeros(0, 8, dtype=torch.long))
+    logits = out if torch.is_tensor(out) else out[0]
+    assert logits.shape == (0, 8, 256)
+    logits.sum().backward()
 
 
 def test_bad_inputs():

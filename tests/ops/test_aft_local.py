@@ -8,6 +8,8 @@ from aftlab.ops.aft_full import aft_full_reference
 from aftlab.ops.aft_local import aft_local_band, aft_local_reference, band_of
 from aftlab.testing import assert_close
 
+pytestmark = pytest.mark.usefixtures("impl")  # kernel and PyTorch (conftest.py)
+
 
 @pytest.fixture(autouse=True)
 def _one_thread():

@@ -1,4 +1,7 @@
-"""aft_simple against its float64 per-position reference; stability; padding; bad input."""
+"""aft_simple against its float64 per-position reference; stability; padding; bad input.
+
+Every test runs twice: on the C++ kernel and on the pure-PyTorch implementation.
+"""
 
 import functools
 import subprocess
@@ -13,6 +16,9 @@ from aftlab.ops.aft_simple import aft_simple_reference
 from aftlab.testing import assert_close
 
 F64 = torch.float64
+
+
+pytestmark = pytest.mark.usefixtures("impl")  # both implementations (conftest.py)
 
 
 def _qkv(B, T, d, *, kscale=3.0, vscale=1.0, dtype=F64):
@@ -36,7 +42,7 @@ def _compare(q, k, v, *, causal, padding_mask=None, atol=None, rtol=None):
         assert_close(name, a, e, atol=atol, rtol=rtol)
 
 
-@pytest.mark.parametrize("T", [1, 2, 7, 64, 257])
+@pytest.mark.parametrize("T", [1, 2, 7, 64, 257, 1000])
 @pytest.mark.parametrize("causal", [False, True])
 def test_matches_reference(T, causal):
     _compare(*_qkv(2 if T < 100 else 1, T, 5), causal=causal)
@@ -47,6 +53,35 @@ def test_gradcheck():
     for causal in (False, True):
         fn = functools.partial(aft_simple, causal=causal)
         assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+def test_gradcheck_padding_mask():
+    q, k, v = _qkv(2, 11, 3)
+    mask = torch.rand(2, 11) > 0.4
+    mask[1, :4] = False
+    for causal in (False, True):
+        fn = functools.partial(aft_simple, causal=causal, padding_mask=mask)
+        assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_float32_odd_channels(causal):
+    # d = 259: a full block of 256 channels and a ragged one of 3 (the kernel's channel blocks).
+    q, k, v = _qkv(2, 70, 259, dtype=torch.float32)
+    mask = torch.rand(2, 70) > 0.2
+    _compare(q, k, v, causal=causal, padding_mask=mask, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_causal_later_position_cannot_change_earlier_outputs(bad):
+    q, k, v = (t.detach() for t in _qkv(2, 40, 5))
+    y = aft_simple(q, k, v, causal=True)
+    for x in (q, k, v):
+        x2 = x.clone()
+        x2[:, 23] = bad
+        ins = [x2 if t is x else t for t in (q, k, v)]
+        y2 = aft_simple(*ins, causal=True)
+        assert torch.equal(y2[:, :23], y[:, :23])
 
 
 def test_definition_small_case():
@@ -167,3 +202,59 @@ def test_causal_memory_is_linear_in_T():
     grown_kib = int(out.stdout.strip().splitlines()[-1])
     quadratic_kib = 2 * 8192 * 8192 * 4 // 1024
     assert grown_kib < quadratic_kib // 8, f"peak RSS grew by {grown_kib} KiB"
+
+
+# ----------------------------------------------------------------------------- numerical range
+MAX32 = torch.finfo(torch.float32).max
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("key", [-MAX32, -1e38, -MAX32 / 4, 1e38, MAX32])
+def test_single_key_has_weight_one_whatever_its_value(causal, key):
+    # A finite "no key yet" maximum (-max/4) gave keys below about -max/8 weight 0 (Y = 0).
+    q, v = torch.tensor([[[0.5], [-1.0]]]), torch.tensor([[[3.0], [-2.0]]])
+    k = torch.tensor([[[key], [0.0]]])
+    y = aft_simple(q[:, :1], k[:, :1], v[:, :1], causal=causal)
+    assert_close("Y (T = 1)", y, torch.sigmoid(q[:, :1]) * v[:, :1])
+    assert_close("Y", aft_simple(q, k, v, causal=causal),
+                 aft_simple_reference(q, k, v, causal=causal))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_values_near_float32_max_stay_finite(causal):
+    # sum_t' w_t' V_t' (weights <= 1) overflowed for 16 values ~1e38, and so does a mean of
+    # values at the largest float through rounding alone; the average is bounded by max |V|.
+    T = 16
+    gen = torch.Generator().manual_seed(5)
+    k = torch.linspace(-1.0, 1.0, T).view(1, T, 1).expand(1, T, 3).contiguous()
+    v = (torch.randn(1, T, 3, generator=gen, dtype=F64) * 1e38).clamp(-MAX32, MAX32).float()
+    v[0, :, 0] = MAX32
+    v[0, ::2, 1], v[0, 1::2, 1] = -MAX32, MAX32
+    q = torch.full((1, T, 3), 20.0)  # sigma(q) rounds to 1 in float32
+    y = aft_simple(q, k, v, causal=causal)
+    assert torch.isfinite(y).all()
+    assert_close("Y", y, aft_simple_reference(q, k, v, causal=causal), atol=3e33, rtol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(0, 5, 3), (2, 0, 3), (2, 5, 0)])
+def test_zero_sizes(causal, shape):
+    # T = 0 non-causal crashed (a maximum over an empty dim).
+    q, k, v = (torch.randn(shape, dtype=F64, requires_grad=True) for _ in range(3))
+    y = aft_simple(q, k, v, causal=causal)
+    assert y.shape == shape
+    y.sum().backward()
+    for x in (q, k, v):
+        assert x.grad is None or (x.grad.shape == shape and not x.grad.any())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_nan_input_gives_nan_output(causal, which):
+    # NaN at position 4: NaN from there on (causal) or everywhere (not), as in the reference.
+    q, k, v = (t.detach() for t in _qkv(2, 9, 3))
+    {"k": k, "v": v}[which][:, 4] = float("nan")
+    y = aft_simple(q, k, v, causal=causal)
+    assert torch.isnan(y[:, 4:] if causal else y).all()
+    if causal:
+        assert torch.isfinite(y[:, :4]).all()

@@ -182,3 +182,68 @@ def test_bad_inputs():
         stable_prefix_average(k, v, padding_mask=torch.ones(2, 5))
     with pytest.raises(ValueError, match="'v'"):
         stable_prefix_average(k, torch.zeros(2, 5, 3, device="meta"))
+
+
+# ----------------------------------------------------------------------------- numerical range
+MAX32 = torch.finfo(torch.float32).max
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+@pytest.mark.parametrize("frac", [-1.0, -0.3, -0.25, 1.0])
+def test_single_key_whatever_its_value(dtype, frac):
+    # A finite "no key yet" log-sum (-max/4) gave keys below about -max/8 weight 0.
+    key = frac * torch.finfo(dtype).max
+    k, v = torch.full((1, 1, 2), key, dtype=dtype), torch.tensor([[[3.0, -2.0]]], dtype=dtype)
+    L, A = stable_prefix_average(k, v)
+    assert torch.equal(L, k) and torch.equal(A, v)
+
+
+def test_minus_inf_key_weighs_nothing():
+    k = torch.tensor([[[float("-inf")], [1.0]]])
+    L, A = stable_prefix_average(k, torch.tensor([[[5.0], [2.0]]]))
+    assert torch.equal(L[0, :, 0], torch.tensor([float("-inf"), 1.0]))
+    assert torch.equal(A[0, :, 0], torch.tensor([0.0, 2.0]))
+
+
+def test_all_padded_row_with_huge_decay():
+    # exp(-inf - -inf) gave A = NaN on a row without a real token for a decay ~1e38.
+    k, v = _inputs(1, 3, 2, dtype=torch.float32)
+    decay = torch.tensor([3e38, 1e38], requires_grad=True)
+    L, A = stable_prefix_average(k, v, decay=decay, padding_mask=torch.zeros(1, 3, dtype=bool))
+    assert torch.equal(A, torch.zeros_like(A)) and (L == float("-inf")).all()
+    grads = torch.autograd.grad(A.sum(), (k, v, decay))
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+def test_decayed_log_sum_is_not_clamped():
+    # L_t = k - (t - t') lambda below -max/4 was clamped to -max/4. T = 40: also the chunk
+    # level, whose decay 16 lambda overflows float32 although L - 16 lambda does not.
+    T = 40
+    k = torch.zeros(1, T, 2)
+    k[0, 15] = torch.tensor([3e38, 0.0])
+    mask = torch.zeros(1, T, dtype=torch.bool)
+    mask[0, [0, 15]] = True
+    decay = torch.tensor([3e37, 1.3e38])
+    v = torch.randn(1, T, 2)
+    L, A = stable_prefix_average(k, v, decay=decay, padding_mask=mask)
+    L0, A0 = stable_prefix_average_reference(k.double(), v.double(), decay=decay.double(),
+                                             padding_mask=mask)
+    inside = L0.abs() <= MAX32  # beyond it float32 has only -inf
+    assert torch.equal(torch.isfinite(L), inside)
+    assert_close("L", L[inside], L0[inside], atol=1e-6 * 3e38)  # float32: eps * |scores|
+    assert_close("A", A[inside], A0[inside])  # beyond: see docs/aft-scan.md, "Range"
+    assert L[0, 31, 0] == pytest.approx(3e38 - 16 * 3e37, rel=1e-6)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_values_near_float32_max_of_opposite_signs(reverse):
+    # lerp(A, v, r) forms v - A, which overflows (NaN) for values of opposite signs near max.
+    T = 7
+    v = torch.full((3, T, 1), MAX32)
+    v[:, 1::2] = -MAX32
+    v[1] *= 0.9
+    k = torch.randn(3, T, 1, generator=torch.Generator().manual_seed(0))
+    L, A = stable_prefix_average(k, v, reverse=reverse)
+    assert torch.isfinite(A).all()
+    _, A0 = stable_prefix_average_reference(k.double(), v.double(), reverse=reverse)
+    assert_close("A", A, A0, atol=3e33, rtol=1e-5)

@@ -96,7 +96,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compare-aft-pytorch",
         action="store_true",
-        help="add aft-pytorch's AFTFull and AFTSimple beside ours (needs the package)",
+        help="add aft-pytorch's AFTFull and AFTSimple beside ours (same as --peers aft-pytorch)",
+    )
+    parser.add_argument(
+        "--peers",
+        default="",
+        help="comma-separated peers beside ours: aft-pytorch (AFTFull, AFTSimple), hf-rwkv "
+        "(transformers' RWKV CPU path beside aft-decay); each needs its package",
     )
     parser.add_argument(
         "--max-total-minutes",
@@ -107,7 +113,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compare-lengths",
         default=None,
-        help="lengths of the aft-pytorch comparison (default: the lengths up to 4096)",
+        help="lengths of the peer comparison (default: the lengths up to 4096)",
     )
     parser.add_argument(
         "--seed", type=int, default=0, help="seed of the inputs (default: %(default)s)"
@@ -139,6 +145,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         max_seconds_per_case=args.max_seconds_per_case,
         max_memory_gb=args.max_memory_gb,
         isolate=False if args.no_isolate else None,
+        peers=_str_list(args.peers),
         compare_aft_pytorch=args.compare_aft_pytorch,
         max_total_minutes=args.max_total_minutes,
         compare_lengths=None

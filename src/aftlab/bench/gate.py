@@ -22,7 +22,7 @@ import torch
 from ..testing import assert_close, max_error
 from .cases import OpCase, Shape
 
-__all__ = ["GateResult", "gate_shape", "check_case"]
+__all__ = ["GateResult", "gate_shape", "check_case", "check_module"]
 
 GATE_MAX_T = 71  # > 2 * 32: the aft-local band (s = 32) does not cover the whole sequence
 GATE_MAX_B = 2
@@ -103,6 +103,39 @@ def _check_decode(case: OpCase, s: Shape, dtype, device) -> float:
         y = torch.stack(ys, 1)
     assert_close(f"{case.name} step outputs", y, y_ref)
     return max_error(y, y_ref)
+
+
+def check_module(build, s: Shape, dtype: torch.dtype, device: torch.device) -> GateResult:
+    """Gate a comparison module ``build(s)`` that has a float64 ``reference(x)`` (a peer's too).
+
+    Its output and the gradients of ``x`` and of every parameter, in ``dtype`` at
+    :func:`gate_shape` of ``s``, against the reference of a float64 copy of the same module.
+    """
+    s = gate_shape(s)
+    try:
+        torch.manual_seed(1234)
+        m64 = build(s).double()
+        if not hasattr(m64, "reference"):
+            return GateResult("unavailable", "no float64 reference: outputs not compared")
+        m = copy.deepcopy(m64).to(device=device, dtype=dtype)
+        x64 = torch.randn(s.B, s.T, s.d, generator=torch.Generator().manual_seed(1234))
+        x64 = x64.double().requires_grad_(True)
+        x = x64.detach().to(device=device, dtype=dtype).requires_grad_(True)
+        y, y_ref = m(x), m64.reference(x64)
+        assert_close("y", y, y_ref)
+        dy = torch.randn_like(y_ref)
+        names = ["x", *(n for n, _ in m.named_parameters())]
+        g = torch.autograd.grad(y, [x, *m.parameters()], dy.to(y))
+        g_ref = torch.autograd.grad(y_ref, [x64, *m64.parameters()], dy)
+        err = max_error(y.detach(), y_ref.detach())
+        for n, a, e in zip(names, g, g_ref, strict=True):
+            assert_close(f"d{n}", a, e)
+            err = max(err, max_error(a, e))
+    except AssertionError as e:
+        return GateResult("failed", f"correctness gate failed: {_first_line(e)}")
+    except Exception as e:  # a crash at the gate is a failure of the case, reported as such
+        return GateResult("failed", f"correctness gate raised {_first_line(e)}")
+    return GateResult("passed", max_error=err)
 
 
 def check_case(

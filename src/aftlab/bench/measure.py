@@ -42,6 +42,8 @@ __all__ = [
     "tensor_bytes",
     "read_status_kib",
     "COMPARE_BUILDERS",
+    "PEERS",
+    "WKV",
 ]
 
 
@@ -258,12 +260,58 @@ def _aft_pytorch_module(cls_name: str):
     return build
 
 
-#: Module-level comparison with the PyPI package ``aft-pytorch`` (non-causal, width d, one head).
+class WKV(torch.nn.Module):
+    """RWKV's WKV on keys = values = ``x (B, T, d)``, by ``impl`` (``"aftlab"`` or ``"hf-rwkv"``).
+
+    ``Y_t = sum_{t'<t} e^{-(t-1-t') lambda + K_t'} V_t' + e^{u + K_t} V_t`` over the same sum of
+    weights, with ``lambda = exp(time_decay)`` and ``u = time_first`` (per channel): aftlab's
+    ``aft_decay(q, k, v, decay=lambda, bonus=u)`` with ``q = 30`` (``sigma(30) = 1`` in float32),
+    and transformers' ``rwkv_linear_attention_cpu(time_decay, time_first, k, v)``.
+    """
+
+    def __init__(self, s: Shape, impl: str):
+        super().__init__()
+        self.impl = impl
+        self.time_decay = torch.nn.Parameter(torch.linspace(-3.0, 0.0, s.d))
+        self.time_first = torch.nn.Parameter(torch.linspace(-0.5, 0.5, s.d))
+        self.register_buffer("q", torch.full((s.B, s.T, s.d), 30.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.impl == "hf-rwkv":
+            from transformers.models.rwkv.modeling_rwkv import rwkv_linear_attention_cpu
+
+            return rwkv_linear_attention_cpu(self.time_decay, self.time_first, x, x)[0]
+        from aftlab.ops.aft_decay import aft_decay
+
+        return aft_decay(self.q, x, x, self.time_decay.exp(), self.time_first)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The float64 per-position ``aft_decay_reference`` of the same WKV."""
+        from aftlab.ops.aft_decay import aft_decay_reference
+
+        return aft_decay_reference(self.q, x, x, self.time_decay.exp(), self.time_first)
+
+
+#: Module-level comparison cases ``"cmp:<impl>:<variant>"``: ``aft-pytorch``'s AFTFull and
+#: AFTSimple beside our mixers (non-causal, width d, one head), transformers' RWKV CPU path
+#: beside our aft-decay (causal, the :class:`WKV` above).
 COMPARE_BUILDERS = {
     "cmp:aftlab:aft-full": _aftlab_module("aft-full"),
     "cmp:aft-pytorch:AFTFull": _aft_pytorch_module("AFTFull"),
     "cmp:aftlab:aft-simple": _aftlab_module("aft-simple"),
     "cmp:aft-pytorch:AFTSimple": _aft_pytorch_module("AFTSimple"),
+    "cmp:aftlab:aft-decay": lambda s: WKV(s, "aftlab"),
+    "cmp:hf-rwkv:rwkv_linear_attention_cpu": lambda s: WKV(s, "hf-rwkv"),
+}
+
+#: The peers: the module they need, how to install it, and (ours, theirs) variant pairs.
+PEERS = {
+    "aft-pytorch": (
+        "aft_pytorch",
+        "aft-pytorch",
+        (("aft-full", "AFTFull"), ("aft-simple", "AFTSimple")),
+    ),
+    "hf-rwkv": ("transformers", "transformers", (("aft-decay", "rwkv_linear_attention_cpu"),)),
 }
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import csv
+import math
+from functools import partial
 from pathlib import Path
 
 from .._json import dumps
@@ -45,234 +47,184 @@ CSV_FIELDS = (*ROW_FIELDS, "cpu_model", "gpu", "torch", "date", "command")
 LINEAR_OPS = ("aft-simple", "aft-decay", "aft-local", "aft-conv")
 
 
-def _find(rows, mixer, mode, T, causal):
-    for r in rows:
-        if (
-            r["mixer"] == mixer
-            and r["mode"] == mode
-            and r["T"] == T
-            and r["causal"] == causal
-            and r["status"] == "ok"
-        ):
-            return r
-    return None
-
-
-def _target(tid, what, measured, value, threshold, ok, note=""):
-    status = "n/a" if ok is None else ("met" if ok else "missed")
-    return {
-        "id": tid,
-        "target": what,
-        "measured": measured,
-        "value": value,
-        "threshold": threshold,
-        "status": status,
-        "note": note,
-    }
-
-
-def _na(tid, what, threshold, why):
-    return _target(tid, what, "n/a", None, threshold, None, why)
-
-
-def evaluate_targets(result: dict) -> list[dict]:
-    """The figures issue 5 asks for, each ``met``, ``missed`` or ``n/a`` (with why)."""
-    rows = result["results"]
-    cfg = result["config"]
-    causal = bool(cfg["causal"])
-    lengths = sorted(cfg["lengths"])
-    out = []
-
-    # 1. linear growth of forward+backward: time(T_hi) / time(T_hi / 8) <= 10 (8 is ideal)
-    hi = lengths[-1]
-    lo = hi // 8
-    for m in LINEAR_OPS:
-        what = f"{m} train time T={hi} / T={lo} <= 10 (linear: 8)"
-        a, b = _find(rows, m, "train", hi, causal), _find(rows, m, "train", lo, causal)
-        if a is None or b is None:
-            out.append(
-                _na("linear-growth", what, 10, f"needs {m} train measured at T={lo} and T={hi}")
-            )
-        else:
-            r = a["time_median_s"] / b["time_median_s"]
-            out.append(_target("linear-growth", what, f"{r:.3g}x", r, 10, r <= 10))
-
-    # 2. against SDPA at T = 4096, causal forward+backward
-    for m, need in (("aft-simple", 15.0), ("aft-local", 6.0)):
-        what = f"{m} causal train at T=4096 >= {need:g}x faster than attention-sdpa"
-        a, b = (
-            _find(rows, m, "train", 4096, True),
-            _find(rows, "attention-sdpa", "train", 4096, True),
-        )
-        if a is None or b is None:
-            out.append(_na("vs-sdpa", what, need, "needs both measured causal at T=4096"))
-        else:
-            r = b["time_median_s"] / a["time_median_s"]
-            out.append(_target("vs-sdpa", what, f"{r:.3g}x", r, need, r >= need))
-    what = "aft-local train peak memory at T=16384 <= attention-sdpa's"
-    a, b = (
-        _find(rows, "aft-local", "train", 16384, causal),
-        _find(rows, "attention-sdpa", "train", 16384, causal),
+def _find(rows, mixer, mode, T, causal=True):
+    key = (mixer, mode, T, causal, "ok")
+    return next(
+        (r for r in rows if (r["mixer"], r["mode"], r["T"], r["causal"], r["status"]) == key), None
     )
-    if a is None or b is None or a["peak_bytes"] is None or b["peak_bytes"] is None:
-        out.append(_na("memory-vs-sdpa", what, 1.0, "needs both measured at T=16384"))
-    else:
-        r = a["peak_bytes"] / max(b["peak_bytes"], 1)
-        out.append(
-            _target(
-                "memory-vs-sdpa",
-                what,
-                f"{a['peak_bytes'] / 2**20:.0f} MiB vs {b['peak_bytes'] / 2**20:.0f} MiB",
-                r,
-                1.0,
-                r <= 1.0,
-            )
-        )
 
-    # 3. near the limits
-    for m in ("aft-simple", "aft-decay"):
-        what = f"{m} causal train within 3x of its memory-traffic floor (largest T measured)"
-        cands = [
-            r
-            for r in rows
-            if r["mixer"] == m and r["mode"] == "train" and r["causal"] and r["status"] == "ok"
-        ]
-        if not cands:
-            out.append(_na("near-floor", what, 3.0, f"needs {m} causal train measured"))
-        else:
-            r = max(cands, key=lambda x: x["T"])
-            out.append(
-                _target(
-                    "near-floor",
-                    what,
-                    f"{r['ratio_to_floor']:.3g}x at T={r['T']}",
-                    r["ratio_to_floor"],
-                    3.0,
-                    r["ratio_to_floor"] <= 3.0,
-                )
-            )
-    what = "aft-full (non-causal) train <= 1.5x its matrix products (aft-full-matmul)"
-    pairs = [
-        (r, _find(rows, "aft-full-matmul", "train", r["T"], False))
+
+def _ratio(res, a, b, T, *, T_b=None, causal_a=True, causal_b=True):
+    """Train time of ``a`` at ``T`` over train time of ``b`` at ``T_b`` (default ``T``)."""
+    T_b = T if T_b is None else T_b
+    x = _find(res["results"], a, "train", T, causal_a)
+    y = _find(res["results"], b, "train", T_b, causal_b)
+    where = f"T={T}" if T_b == T else f"T={T} / T={T_b}"
+    if x is None or y is None:
+        return None, f"needs {a if a == b else f'{a} and {b}'} train measured at {where}"
+    return x["time_median_s"] / y["time_median_s"], where
+
+
+def _vs_sdpa_every_t(res, m):
+    Ts = sorted({r["T"] for r in res["results"] if r["T"] >= 256})
+    got = [(_ratio(res, "attention-sdpa", m, T)[0], T) for T in Ts]
+    got = [g for g in got if g[0] is not None]
+    if not got:
+        return None, f"needs {m} and attention-sdpa train measured at some T >= 256"
+    return min(got)[0], f"slowest at T={min(got)[1]} of T={','.join(str(T) for _, T in got)}"
+
+
+def _near_floor(res, m, mode):
+    rows = [r for r in res["results"] if (r["mixer"], r["mode"], r["status"]) == (m, mode, "ok")]
+    rows = [r for r in rows if r["causal"] and r.get("bytes")]
+    if not rows:
+        return None, f"needs {m} causal {mode} measured"
+    r = max(rows, key=lambda x: x["T"])
+    return r["time_median_s"] * res["limits"]["copy_bytes_per_s"] / r["bytes"], f"T={r['T']}"
+
+
+def _full(res, b, causal_a, causal_b):
+    """aft-full train over ``b`` train at the largest T where both were measured."""
+    for T in sorted({r["T"] for r in res["results"] if r["mixer"] == "aft-full"}, reverse=True):
+        r = _ratio(res, "aft-full", b, T, causal_a=causal_a, causal_b=causal_b)
+        if r[0] is not None:
+            return r
+    return None, f"needs aft-full (causal={causal_a}) and {b} (causal={causal_b}) train"
+
+
+def _vs_peer(res, peer, pair, mode=None, T=None):
+    """Peer time / our time, the smallest over the matching (mode, T) of the comparison."""
+    rows = [r for r in res.get("compare", []) if r.get("impl") and r["status"] == "ok"]
+    rows = [r for r in rows if (r["peer"], r["pair"]) == (peer, pair)]
+    rows = [r for r in rows if mode in (None, r["mode"]) and T in (None, r["T"])]
+    ours = {(r["mode"], r["T"]): r for r in rows if r["impl"] == "aftlab"}
+    got = [
+        (r["time_median_s"] / ours[(r["mode"], r["T"])]["time_median_s"], r["mode"], r["T"])
         for r in rows
-        if r["mixer"] == "aft-full"
-        and r["mode"] == "train"
-        and not r["causal"]
-        and r["status"] == "ok"
+        if r["impl"] == peer and (r["mode"], r["T"]) in ours
     ]
-    pairs = [p for p in pairs if p[1] is not None]
-    if not pairs:
-        out.append(
-            _na("full-vs-matmul", what, 1.5, "needs non-causal aft-full and aft-full-matmul train")
-        )
-    else:
-        a, b = max(pairs, key=lambda p: p[0]["T"])
-        r = a["time_median_s"] / b["time_median_s"]
-        out.append(_target("full-vs-matmul", what, f"{r:.3g}x at T={a['T']}", r, 1.5, r <= 1.5))
-    for mode in ("forward", "train"):
-        what = f"causal aft-full {mode} <= 0.7x non-causal"
-        pairs = [
-            (r, _find(rows, "aft-full", mode, r["T"], False))
-            for r in rows
-            if r["mixer"] == "aft-full"
-            and r["mode"] == mode
-            and r["causal"]
-            and r["status"] == "ok"
-        ]
-        pairs = [p for p in pairs if p[1] is not None]
-        if not pairs:
-            out.append(
-                _na(
-                    "causal-full",
-                    what,
-                    0.7,
-                    "needs aft-full causal and non-causal (--also-noncausal)",
-                )
-            )
-        else:
-            a, b = max(pairs, key=lambda p: p[0]["T"])
-            r = a["time_median_s"] / b["time_median_s"]
-            out.append(_target("causal-full", what, f"{r:.3g}x at T={a['T']}", r, 0.7, r <= 0.7))
+    if not got:
+        return None, f"needs --peers {peer} with both measured"
+    r, mode, T = min(got)
+    return r, f"slowest {mode} T={T} of {len(got)} cases"
 
-    # 4. decoding: a step at the last position against a step at the first
-    for m in ("aft-simple", "aft-decay", "attention-sdpa"):
-        steps = sorted(
-            (r for r in rows if r["mixer"] == m and r["mode"] == "decode" and r["status"] == "ok"),
-            key=lambda r: r["T"],
-        )
-        flat = m != "attention-sdpa"
-        what = (
-            f"{m} decode step at the last position <= 1.25x the first (issue: 16384 vs 128)"
-            if flat
-            else "attention-sdpa decode step grows with position (informational)"
-        )
-        if len(steps) < 2:
-            out.append(
-                _na("decode", what, 1.25 if flat else None, f"needs {m} decode at two positions")
+
+def _finite(res):
+    rows = [r for r in res.get("compare", []) if r.get("impl") == "aftlab" and r["status"] == "ok"]
+    if not rows:
+        return None, "needs --peers with ours measured"
+    bad = sum(not (r["finite"] and r["finite_large_input"]) for r in rows)
+    return bad, f"non-finite in {bad} of {len(rows)} cases, inputs x1 and x1000"
+
+
+def _targets() -> list[tuple]:
+    sdpa = [("aft-simple", 30), ("aft-decay", 25), ("aft-local", 12), ("aft-conv", 10)]
+    return [
+        *(
+            (
+                f"{m} causal train at T=4096 >= {n}x faster than attention-sdpa",
+                partial(_ratio, a="attention-sdpa", b=m, T=4096),
+                ">=",
+                n,
             )
+            for m, n in sdpa
+        ),
+        *(
+            (
+                f"{m} causal train faster than attention-sdpa at every T >= 256",
+                partial(_vs_sdpa_every_t, m=m),
+                ">=",
+                1,
+            )
+            for m in ("aft-local", "aft-conv")
+        ),
+        *(
+            (
+                f"{m} train t(16384) / t(2048) <= 9 (linear: 8)",
+                partial(_ratio, a=m, b=m, T=16384, T_b=2048),
+                "<=",
+                9,
+            )
+            for m in LINEAR_OPS
+        ),
+        *(
+            (
+                f"{m} causal {mode} <= {n}x its memory-traffic floor (bytes / copy bandwidth, "
+                "largest T)",
+                partial(_near_floor, m=m, mode=mode),
+                "<=",
+                n,
+            )
+            for m in ("aft-simple", "aft-decay")
+            for mode, n in (("forward", 2), ("train", 3))
+        ),
+        (
+            "aft-full (non-causal) train <= 1.2x its matrix products",
+            partial(_full, b="aft-full-matmul", causal_a=False, causal_b=False),
+            "<=",
+            1.2,
+        ),
+        (
+            "causal aft-full train <= 0.6x non-causal",
+            partial(_full, b="aft-full", causal_a=True, causal_b=False),
+            "<=",
+            0.6,
+        ),
+        *(
+            (
+                f"aftlab {m} >= 3x faster than aft-pytorch {p} at every length",
+                partial(_vs_peer, peer="aft-pytorch", pair=m),
+                ">=",
+                3,
+            )
+            for m, p in (("aft-full", "AFTFull"), ("aft-simple", "AFTSimple"))
+        ),
+        (
+            "aft-decay train at T=2048 >= 150x faster than transformers' rwkv_linear_attention_cpu",
+            partial(_vs_peer, peer="hf-rwkv", pair="aft-decay", mode="train", T=2048),
+            ">=",
+            150,
+        ),
+        ("aftlab finite in every peer case (finite where a peer is not)", _finite, "<=", 0),
+    ]
+
+
+#: Issue 8's section 5 targets that bench measures: (target, how, ">=" or "<=", threshold);
+#: ``how(result)`` returns ``(value, where)``, or ``(None, why)`` when it cannot be read.
+TARGETS = _targets()
+
+
+def evaluate_targets(result: dict, targets: list[tuple] = TARGETS) -> list[dict]:
+    """Each target ``met``, ``missed`` or ``n/a`` (with why), with its value and shortfall.
+
+    ``shortfall``: how far a missed target is off, the factor the value must improve by
+    (``threshold / value`` for ``>=``, ``value / threshold`` for ``<=``; ``value - threshold``
+    for a threshold of 0); None unless missed.
+    """
+    out = []
+    for what, how, op, need in targets:
+        value, where = how(result)
+        row = {"target": what, "value": value, "threshold": need, "shortfall": None, "note": ""}
+        if value is None:
+            out.append({**row, "status": "n/a", "measured": "n/a", "note": where})
             continue
-        a, b = steps[-1], steps[0]
-        r = a["time_median_s"] / b["time_median_s"]
-        meas = f"{r:.3g}x (pos {a['T']} vs {b['T']})"
-        out.append(
-            _target(
-                "decode",
-                what,
-                meas,
-                r,
-                1.25 if flat else None,
-                (r <= 1.25) if flat else None,
-                "" if flat else "informational",
-            )
-        )
-
-    # 5. against aft-pytorch
-    cmp_rows = [r for r in result.get("compare", []) if r.get("impl")]
-    for variant_ours, variant_theirs in (("aft-full", "AFTFull"), ("aft-simple", "AFTSimple")):
-        what = (
-            f"aftlab {variant_ours} <= aft-pytorch {variant_theirs} in time and memory, "
-            "finite where it is not"
-        )
-        worst_t, worst_m, n, finite_ok = 0.0, 0.0, 0, True
-        for r in cmp_rows:
-            if r["impl"] != "aftlab" or r["variant"] != variant_ours or r["status"] != "ok":
-                continue
-            t = next(
-                (
-                    x
-                    for x in cmp_rows
-                    if x["impl"] == "aft-pytorch"
-                    and x["variant"] == variant_theirs
-                    and x["mode"] == r["mode"]
-                    and x["T"] == r["T"]
-                    and x["status"] == "ok"
-                ),
-                None,
-            )
-            if t is None:
-                continue
-            n += 1
-            worst_t = max(worst_t, r["time_median_s"] / t["time_median_s"])
-            if r["peak_bytes"] is not None and t["peak_bytes"]:
-                worst_m = max(worst_m, r["peak_bytes"] / t["peak_bytes"])
-            finite_ok &= bool(r["finite"] and r["finite_large_input"])
-        if n == 0:
-            out.append(
-                _na("vs-aft-pytorch", what, 1.0, "needs --compare-aft-pytorch with both measured")
-            )
-        else:
-            ok = worst_t <= 1.0 and worst_m <= 1.0 and finite_ok
-            out.append(
-                _target(
-                    "vs-aft-pytorch",
-                    what,
-                    f"worst time ratio {worst_t:.2f}, worst memory ratio {worst_m:.2f}, "
-                    f"ours finite: {finite_ok} ({n} cases)",
-                    worst_t,
-                    1.0,
-                    ok,
+        ok = value >= need if op == ">=" else value <= need
+        x = "" if need == 0 else "x"
+        if not ok:
+            if need == 0:
+                row["shortfall"] = value - need
+            else:
+                row["shortfall"] = (
+                    (need / value if value > 0 else math.inf) if op == ">=" else value / need
                 )
-            )
+        miss = "" if ok else f"; missed by {row['shortfall']:.3g}{x}"
+        out.append(
+            {
+                **row,
+                "status": "met" if ok else "missed",
+                "measured": f"{value:.3g}{x} ({where}){miss}",
+            }
+        )
     return out
 
 
@@ -354,34 +306,51 @@ def summary_markdown(result: dict) -> str:
                 f"**{r['status']}**: {r['note']}"
             )
         lines.append("")
-    lines += ["## Targets (issue 5)", "", "| target | measured | status |", "|---|---|---|"]
+    lines += ["## Targets (issue 8)", "", "| target | measured | status |", "|---|---|---|"]
     for t in result.get("targets", []):
         meas = t["measured"] if t["status"] != "n/a" else f"n/a: {t['note']}"
         lines.append(f"| {t['target']} | {meas} | {t['status']} |")
     lines.append("")
-    cmp_rows = [r for r in result.get("compare", []) if r.get("impl")]
+    cmp_rows = result.get("compare", [])
     if cmp_rows:
         lines += [
-            "## Against aft-pytorch (module level, non-causal)",
+            "## Against peers (module level; aft-pytorch non-causal, hf-rwkv causal)",
             "",
-            "| impl | variant | mode | T | time | peak memory | finite | finite (x*1000) |",
-            "|---|---|---|---|---|---|---|---|",
+            "| peer | impl | variant | mode | T | time | peak memory | finite | finite (x1000) "
+            "| aftlab faster by |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
-        for r in cmp_rows:
-            if r["status"] == "ok":
-                lines.append(
-                    f"| {r['impl']} | {r['variant']} | {r['mode']} | {r['T']} | "
-                    f"{_ms(r['time_median_s'])} | {_mib(r['peak_bytes'])} | {r['finite']} | "
-                    f"{r['finite_large_input']} |"
-                )
-            else:
-                lines.append(
-                    f"| {r['impl']} | {r['variant']} | {r['mode']} | {r['T']} | "
-                    f"{r['status']}: {r['note']} | | | |"
-                )
-        lines.append("")
-    elif result.get("compare"):
-        lines += [f"aft-pytorch comparison: {result['compare'][0]['note']}", ""]
+    for r in cmp_rows:
+        if not r.get("impl"):
+            lines.append(f"| {r['peer']} | {r['status']}: {r['note']} |||||||||")
+        elif r["status"] != "ok":
+            lines.append(
+                f"| {r['peer']} | {r['impl']} | {r['variant']} | {r['mode']} | {r['T']} | "
+                f"{r['status']}: {r['note']} |||||"
+            )
+        else:
+            ours = next(
+                (
+                    o
+                    for o in cmp_rows
+                    if o.get("impl") == "aftlab"
+                    and o["status"] == "ok"
+                    and (o["peer"], o["pair"], o["mode"], o["T"])
+                    == (r["peer"], r["pair"], r["mode"], r["T"])
+                ),
+                None,
+            )
+            faster = (
+                ""
+                if r["impl"] == "aftlab" or ours is None
+                else (f"{r['time_median_s'] / ours['time_median_s']:.3g}x")
+            )
+            lines.append(
+                f"| {r['peer']} | {r['impl']} | {r['variant']} | {r['mode']} | {r['T']} | "
+                f"{_ms(r['time_median_s'])} | {_mib(r['peak_bytes'])} | {r['finite']} | "
+                f"{r['finite_large_input']} | {faster} |"
+            )
+    lines.append("")
     return "\n".join(lines)
 
 

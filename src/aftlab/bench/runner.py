@@ -9,6 +9,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 import statistics
@@ -20,9 +21,9 @@ from pathlib import Path
 import torch
 
 from .cases import CASES, MATMUL_CASE, MODES, OpCase, Shape
-from .gate import GateResult, check_case, gate_shape
+from .gate import GateResult, check_case, check_module, gate_shape
 from .machine import machine_info, measure_limits
-from .measure import COMPARE_BUILDERS, CaseSpec, can_isolate, run_case, run_isolated
+from .measure import COMPARE_BUILDERS, PEERS, CaseSpec, can_isolate, run_case, run_isolated
 from .report import ROW_FIELDS
 
 __all__ = ["BenchConfig", "run_bench", "DTYPES"]
@@ -61,7 +62,10 @@ class BenchConfig:
         max_memory_gb: skip cases whose estimated peak exceeds this; default 60% of the
             available memory (CPU) or of the free GPU memory.
         isolate: run each CPU case in a fresh process (default on CPU).
-        compare_aft_pytorch: add the module-level comparison with the ``aft-pytorch`` package.
+        peers: module-level comparisons with other packages, among
+            :data:`aftlab.bench.measure.PEERS`: ``"aft-pytorch"`` (its AFTFull and AFTSimple
+            beside our aft-full and aft-simple) and ``"hf-rwkv"`` (transformers' RWKV CPU path
+            beside our aft-decay). compare_aft_pytorch: the same as ``"aft-pytorch"`` in peers.
         compare_lengths: lengths of that comparison; default: ``lengths`` up to 4096 (its
             AFTFull materialises ``exp(w)``, ``T x T``, twice per call).
         max_total_minutes: once the run has taken this long, the remaining cases are skipped
@@ -88,6 +92,7 @@ class BenchConfig:
     max_seconds_per_case: float = 60.0
     max_memory_gb: float | None = None
     isolate: bool | None = None
+    peers: list[str] = field(default_factory=list)
     compare_aft_pytorch: bool = False
     compare_lengths: list[int] | None = None
     max_total_minutes: float | None = None
@@ -115,6 +120,8 @@ class BenchConfig:
                 isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in vals
             ):
                 raise ValueError(f"bench: --{opt} must be positive integers, got {vals}")
+        if any(p not in PEERS for p in self.peers):
+            raise ValueError(f"bench: --peers must be some of {list(PEERS)}, got {self.peers}")
         bad_modes = [m for m in self.modes if m not in MODES]
         if bad_modes or not self.modes:
             raise ValueError(f"bench: --modes must be some of {list(MODES)}, got {self.modes}")
@@ -289,16 +296,7 @@ def run_bench(
                 elif (
                     last_ok is not None and _predicted(mode, T, *last_ok) > cfg.max_seconds_per_case
                 ):
-                    t_prev, T_prev = last_ok
-                    what = "building the state" if mode == "decode" else "2 calls"
-                    row.update(
-                        status="skipped",
-                        note=(
-                            f"{what} would take >= {_predicted(mode, T, t_prev, T_prev):.0f} s "
-                            f"(at least linear from {t_prev * 1e3:.3g} ms at T={T_prev}), over the "
-                            f"{cfg.max_seconds_per_case:g} s budget"
-                        ),
-                    )
+                    row.update(status="skipped", note=_linear_note(mode, T, *last_ok, cfg))
                 if row["status"] is None:
                     key = (name, mode, row["causal"], gate_shape(s))
                     if key not in gates:
@@ -319,11 +317,8 @@ def run_bench(
                     given_up = row["note"]
                 say(_progress(row))
 
-    compare = (
-        _run_compare(cfg, threads, isolate, esize, limits, say, t0)
-        if cfg.compare_aft_pytorch
-        else []
-    )
+    peers = list(dict.fromkeys([*(["aft-pytorch"] if cfg.compare_aft_pytorch else []), *cfg.peers]))
+    compare = [row for p in peers for row in _run_compare(p, cfg, threads, isolate, esize, say, t0)]
     from .report import evaluate_targets, write_report
 
     result = {
@@ -400,66 +395,76 @@ def _measure(
         row["note"] = f"{len(times)} of {cfg.repeats} repeats within the time budget"
 
 
-def _run_compare(cfg, threads, isolate, esize, limits, say, t0) -> list[dict]:
-    try:
-        import aft_pytorch  # noqa: F401
-    except ImportError:
-        say(
-            "aft-pytorch comparison skipped: the package is not installed (pip install aft-pytorch)"
-        )
-        return [{"status": "skipped", "note": "aft-pytorch is not installed"}]
-    rows = []
-    for name in COMPARE_BUILDERS:
-        impl, variant = name.split(":")[1:]
-        given_up = ""
-        for mode in [m for m in cfg.modes if m != "decode"]:
-            for T in sorted(cfg.compare_lengths or [t for t in cfg.lengths if t <= 4096]):
-                s = Shape(cfg.batch, T, cfg.dim, 1, esize)
-                row = {
-                    "impl": impl,
-                    "variant": variant,
-                    "mode": mode,
-                    "T": T,
-                    "B": cfg.batch,
-                    "d": cfg.dim,
-                    "status": None,
-                    "note": "",
-                    "time_median_s": None,
-                    "peak_bytes": None,
-                    "finite": None,
-                    "finite_large_input": None,
-                }
-                rows.append(row)
-                full = "full" in variant.lower()
-                est = (6 if mode == "train" else 3) * T * T * esize * (
-                    1 if full else 0
-                ) + 30 * cfg.batch * T * cfg.dim * esize
-                if given_up:
-                    row.update(status="skipped", note=given_up)
-                elif _out_of_time(cfg, t0):
-                    row.update(status="skipped", note=_TOTAL_NOTE.format(cfg.max_total_minutes))
-                elif est > _max_memory_bytes(cfg, torch.device(cfg.device)):
+def _run_compare(peer, cfg, threads, isolate, esize, say, t0) -> list[dict]:
+    """The rows of one peer: each (ours, theirs) pair gated if it can be, then timed."""
+    module, package, pairs = PEERS[peer]
+    if importlib.util.find_spec(module) is None:
+        say(f"{peer} comparison skipped: {package} is not installed (pip install {package})")
+        return [{"peer": peer, "status": "skipped", "note": f"{package} is not installed"}]
+    rows, dtype, device = [], getattr(torch, cfg.dtype), torch.device(cfg.device)
+    for ours, theirs in pairs:
+        for impl, variant in (("aftlab", ours), (peer, theirs)):
+            name = f"cmp:{impl}:{variant}"
+            s = Shape(cfg.batch, max(cfg.compare_lengths or cfg.lengths), cfg.dim, 1, esize)
+            gate = check_module(COMPARE_BUILDERS[name], s, dtype, device)
+            given_up = gate.note if gate.status == "failed" else ""
+            for mode in [m for m in cfg.modes if m != "decode"]:
+                last_ok = None
+                for T in sorted(cfg.compare_lengths or [t for t in cfg.lengths if t <= 4096]):
+                    s = Shape(cfg.batch, T, cfg.dim, 1, esize)
+                    row = dict.fromkeys(
+                        ("time_median_s", "peak_bytes", "finite", "finite_large_input", "status")
+                    )
                     row.update(
-                        status="skipped", note=f"estimated peak {est / 2**30:.2f} GiB too large"
+                        peer=peer,
+                        pair=ours,
+                        impl=impl,
+                        variant=variant,
+                        mode=mode,
+                        T=T,
+                        B=cfg.batch,
+                        d=cfg.dim,
+                        note="",
+                        gate=gate.status,
+                        gate_max_error=gate.max_error,
                     )
-                else:
-                    out = _execute(
-                        _spec(name, mode, False, s, cfg, threads),
-                        None,
-                        isolate,
-                        cfg.max_seconds_per_case,
-                    )
-                    row["status"], row["note"] = out["status"], out.get("note", "")
-                    if out["status"] == "ok":
+                    rows.append(row)
+                    est = (6 if mode == "train" else 3) * T * T * esize * (
+                        "full" in variant.lower()
+                    ) + 30 * cfg.batch * T * cfg.dim * esize
+                    if given_up:
                         row.update(
-                            time_median_s=statistics.median(out["times"]),
-                            peak_bytes=out["peak_bytes"],
-                            finite=out["finite"],
-                            finite_large_input=out["finite_large_input"],
+                            status="failed" if gate.status == "failed" else "skipped", note=given_up
                         )
-                    elif out["status"] == "skipped" and _over_time(row["note"]):
-                        given_up = f"skipped: T={T} already exceeded the time budget"
-                say(f"  compare {impl:11s} {variant:10s} {mode:7s} T={T:<6d} {_fmt_status(row)}")
+                    elif _out_of_time(cfg, t0):
+                        row.update(status="skipped", note=_TOTAL_NOTE.format(cfg.max_total_minutes))
+                    elif last_ok and _predicted(mode, T, *last_ok) > cfg.max_seconds_per_case:
+                        row.update(status="skipped", note=_linear_note(mode, T, *last_ok, cfg))
+                    elif est > _max_memory_bytes(cfg, device):
+                        row.update(
+                            status="skipped", note=f"estimated peak {est / 2**30:.2f} GiB too large"
+                        )
+                    else:
+                        out = _execute(
+                            _spec(name, mode, False, s, cfg, threads),
+                            None,
+                            isolate,
+                            cfg.max_seconds_per_case,
+                        )
+                        row["status"], row["note"] = out["status"], out.get("note", "")
+                        if out["status"] == "ok":
+                            row.update(
+                                time_median_s=statistics.median(out["times"]),
+                                peak_bytes=out["peak_bytes"],
+                                finite=out["finite"],
+                                finite_large_input=out["finite_large_input"],
+                            )
+                            last_ok = (row["time_median_s"], T)
+                        elif out["status"] == "skipped" and _over_time(row["note"]):
+                            given_up = f"skipped: T={T} already exceeded the time budget"
+                    say(
+                        f"  compare {impl:11s} {variant:10s} {mode:7s} T={T:<6d} {_fmt_status(row)}"
+                    )
     return rows
 
 
@@ -482,6 +487,14 @@ def _predicted(mode: str, T: int, t_prev: float, T_prev: int) -> float:
     if mode == "decode":
         return (T - T_prev) * t_prev
     return 2 * t_prev * T / T_prev
+
+
+def _linear_note(mode: str, T: int, t_prev: float, T_prev: int, cfg: BenchConfig) -> str:
+    what = "building the state" if mode == "decode" else "2 calls"
+    return (
+        f"{what} would take >= {_predicted(mode, T, t_prev, T_prev):.0f} s (at least linear "
+        f"from {t_prev * 1e3:.3g} ms at T={T_prev}), over the {cfg.max_seconds_per_case:g} s budget"
+    )
 
 
 def _over_time(note: str | None) -> bool:

@@ -93,6 +93,21 @@ class KVCache:
     v: torch.Tensor
     length: int = 0
 
+    @classmethod
+    def from_prefix(cls, k: torch.Tensor, v: torch.Tensor) -> KVCache:
+        """The cache after the ``T`` tokens ``k, v: (B, H, T, m)``, ``T >= 1``.
+
+        The capacity is the one ``T`` calls of :meth:`append` reach from 16 (16 doubled until it
+        holds ``T``), so a prefilled cache and a stepped one grow alike.
+        """
+        B, H, T, m = k.shape
+        cap = 16
+        while cap < T:
+            cap *= 2
+        kk, vv = k.new_zeros(B, H, cap, m), v.new_zeros(B, H, cap, m)
+        kk[:, :, :T], vv[:, :, :T] = k, v
+        return cls(k=kk, v=vv, length=T)
+
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store one token's ``k, v: (B, H, 1, m)`` at slot ``length``, growing if needed."""
         cap = self.k.shape[2]
@@ -126,6 +141,7 @@ class MultiHeadAttention(SequenceMixer):
 
     Shapes:
         ``forward``: ``x (B, T, d)``, ``padding_mask (B, T)`` bool -> ``(B, T, d)``.
+        ``prefill``: ``x (B, T, d)`` -> ``(B, T, d)`` and the :class:`KVCache` after ``T`` tokens.
         ``step``: ``x (B, d)`` and a :class:`KVCache` -> ``(B, d)`` and the cache.
 
     Example:
@@ -235,19 +251,32 @@ class MultiHeadAttention(SequenceMixer):
 
     # ------------------------------------------------------------------ interface
 
-    def forward(self, x: torch.Tensor, *, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        padding_mask: torch.Tensor | None = None,
+        return_state: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, KVCache]:
         """Attend over ``x: (B, T, d)``; padded keys (``padding_mask`` False) are ignored.
 
+        Args:
+            x: ``(B, T, d)``.
+            padding_mask: bool ``(B, T)``, True for real tokens.
+            return_state: also return the :class:`KVCache` of the ``T`` tokens (their rotated
+                keys and values from this pass), as ``T`` calls of :meth:`step` leave it.
+
         Returns:
-            ``(B, T, d)``. A query whose allowed keys are all padding outputs zeros.
+            ``(B, T, d)`` (and the cache). A query whose allowed keys are all padding outputs
+            zeros.
         """
-        x, padding_mask = self._check_input(x, padding_mask)
+        x, padding_mask = self._check_input(x, padding_mask, return_state=return_state)
         q, k, v = self._project(x, 0)
         allowed, has_key = self._masks(x.shape[1], padding_mask, x.device)
         out = self._output(self._attend(q, k, v, allowed, self.causal))
         if has_key is not None:
             out = out.masked_fill(~has_key[:, 0], 0.0)
-        return out
+        return (out, KVCache.from_prefix(k, v)) if return_state else out
 
     def init_state(
         self,

@@ -12,10 +12,16 @@ Conventions:
     * A causal mixer decodes incrementally: ``state = init_state(B)`` then
       ``y_t, state = step(x_t, state)`` with ``x_t: (B, d_model)``; feeding tokens one by one
       must reproduce ``forward`` on the whole sequence.
+    * A causal mixer also prefills: ``y, state = prefill(x)`` runs a whole prompt
+      ``x: (B, T, d_model)`` and returns ``forward(x)`` with the state after its ``T`` tokens
+      (equal, within float tolerance, to ``T`` calls of ``step``). Every built-in mixer does this
+      in one parallel pass, ``forward(x, return_state=True)``; a mixer whose ``forward`` has no
+      ``return_state`` keyword is prefilled by ``T`` calls of ``step``.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, ClassVar
 
 import torch
@@ -76,11 +82,30 @@ class SequenceMixer(nn.Module):
 
     # ----------------------------------------------------------------- validation
     def _check_input(
-        self, x: torch.Tensor, padding_mask: torch.Tensor | None
+        self, x: torch.Tensor, padding_mask: torch.Tensor | None, *, return_state: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Validate ``x: (B, T, d_model)`` and ``padding_mask: (B, T)`` bool; return them."""
+        """Validate ``x: (B, T, d_model)`` and ``padding_mask: (B, T)`` bool; return them.
+
+        With ``return_state`` (a prefill) the mixer must be causal, ``x`` must hold at least one
+        token and ``padding_mask`` must be None: decoding has no padding.
+        """
         where = type(self).__name__
         check_tensor(where, "x", x, shape=(None, None, self.d_model), floating=True)
+        if return_state:
+            if not self.causal:
+                raise RuntimeError(
+                    f"{where}: return_state=True needs a causal mixer; this one has causal=False"
+                )
+            if x.shape[1] == 0:
+                raise ValueError(
+                    f"{where}: return_state=True needs at least one token in 'x', "
+                    f"got shape {tuple(x.shape)}"
+                )
+            if padding_mask is not None:
+                raise ValueError(
+                    f"{where}: return_state=True takes no 'padding_mask' (decoding has no "
+                    f"padding), got a padding_mask of shape {tuple(padding_mask.shape)}"
+                )
         if padding_mask is not None:
             check_padding_mask(where, padding_mask, tuple(x.shape[:2]), "x", x)
         if self.length_limited and self.max_seq_len is not None and x.shape[1] > self.max_seq_len:
@@ -97,9 +122,44 @@ class SequenceMixer(nn.Module):
         return check_tensor(where, "x", x, shape=(None, self.d_model), floating=True)
 
     # ----------------------------------------------------------------- interface
-    def forward(self, x: torch.Tensor, *, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Mix ``x: (B, T, d_model)`` over time; returns ``(B, T, d_model)``."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        padding_mask: torch.Tensor | None = None,
+        return_state: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, MixerState]:
+        """Mix ``x: (B, T, d_model)`` over time; returns ``(B, T, d_model)``.
+
+        With ``return_state=True`` (causal mixers, no ``padding_mask``, ``T >= 1``) it returns
+        ``(y, state)``: the same ``y`` and the decoding state after the ``T`` tokens, taken from
+        the same parallel pass. A subclass may leave ``return_state`` out of its signature;
+        :meth:`prefill` then steps through the prompt instead.
+        """
         raise NotImplementedError
+
+    def prefill(self, x: torch.Tensor) -> tuple[torch.Tensor, MixerState]:
+        """Run a prompt ``x: (B, T, d_model)``; return ``(forward(x), state after its T tokens)``.
+
+        The state equals the one of ``T`` calls of :meth:`step` from ``init_state(B)``, and
+        decoding continues from it at position ``T``. One parallel pass,
+        ``forward(x, return_state=True)``, when the mixer's ``forward`` takes ``return_state``
+        (every built-in mixer); otherwise, and for ``T = 0``, ``T`` calls of :meth:`step`.
+        """
+        where = type(self).__name__
+        if not self.causal:
+            raise RuntimeError(
+                f"{where}: prefill() needs a causal mixer; this one has causal=False"
+            )
+        check_tensor(where, "x", x, shape=(None, None, self.d_model), floating=True)
+        if x.shape[1] and "return_state" in inspect.signature(self.forward).parameters:
+            return self(x, return_state=True)
+        state = self.init_state(x.shape[0], device=x.device, dtype=x.dtype)
+        ys = []
+        for t in range(x.shape[1]):
+            y, state = self.step(x[:, t], state)
+            ys.append(y)
+        return (torch.stack(ys, 1) if ys else x.new_zeros(x.shape)), state
 
     def init_state(
         self,

@@ -113,6 +113,7 @@ class TransformerBlock(nn.Module):
 
     Shapes:
         ``forward``: ``x (B, T, d)``, ``padding_mask (B, T)`` -> ``(B, T, d)``;
+        ``prefill``: ``x (B, T, d)`` -> ``(B, T, d)`` and the mixer state after the ``T`` tokens;
         ``step``: ``x (B, d)`` and the mixer state -> ``(B, d)`` and the state.
     """
 
@@ -158,14 +159,30 @@ class TransformerBlock(nn.Module):
         check_tensor("TransformerBlock", "x", x, shape=(None, None, self.d_model), floating=True)
         return self._residual(x, lambda u: self.mixer(u, padding_mask=padding_mask))
 
-    def step(self, x: torch.Tensor, state: MixerState) -> tuple[torch.Tensor, MixerState]:
-        """One decoding step of the block; norms and feed-forward act per token."""
-        check_tensor("TransformerBlock.step", "x", x, shape=(None, self.d_model), floating=True)
+    def _residual_with_state(
+        self, x: torch.Tensor, mix: Callable[[torch.Tensor], tuple[torch.Tensor, MixerState]]
+    ) -> tuple[torch.Tensor, MixerState]:
+        """:meth:`_residual` around a mixer call that also returns its decoding state."""
         out: list[MixerState] = []
 
-        def mix(u: torch.Tensor) -> torch.Tensor:
-            y, new_state = self.mixer.step(u, state)
+        def keep(u: torch.Tensor) -> torch.Tensor:
+            y, new_state = mix(u)
             out.append(new_state)
             return y
 
-        return self._residual(x, mix), out[0]
+        return self._residual(x, keep), out[0]
+
+    def prefill(self, x: torch.Tensor) -> tuple[torch.Tensor, MixerState]:
+        """``forward(x)`` on a prompt ``x: (B, T, d)`` and the mixer state after its ``T`` tokens.
+
+        The mixer's :meth:`~aftlab.mixers.SequenceMixer.prefill`: one parallel pass for every
+        built-in mixer.
+        """
+        shape = (None, None, self.d_model)
+        check_tensor("TransformerBlock.prefill", "x", x, shape=shape, floating=True)
+        return self._residual_with_state(x, self.mixer.prefill)
+
+    def step(self, x: torch.Tensor, state: MixerState) -> tuple[torch.Tensor, MixerState]:
+        """One decoding step of the block; norms and feed-forward act per token."""
+        check_tensor("TransformerBlock.step", "x", x, shape=(None, self.d_model), floating=True)
+        return self._residual_with_state(x, lambda u: self.mixer.step(u, state))

@@ -159,17 +159,37 @@ class TransformerBackbone(nn.Module):
             )
         return None
 
+    def _inputs(self, h: torch.Tensor) -> torch.Tensor:
+        """``dropout(h + P[0:T])`` for embeddings ``h: (B, T, d)``: the first block's input."""
+        pos = self.positions(h.shape[1], 0, h)
+        return self.drop(h if pos is None else h + pos)
+
     def forward_embeddings(
         self, h: torch.Tensor, *, padding_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Run token embeddings ``h: (B, T, d)`` (no positions yet) through the stack."""
-        pos = self.positions(h.shape[1], 0, h)
-        if pos is not None:
-            h = h + pos
-        h = self.drop(h)
+        h = self._inputs(h)
         for block in self.blocks:
             h = block(h, padding_mask=padding_mask)
         return self.final_norm(h)
+
+    def prefill_embeddings(self, h: torch.Tensor) -> tuple[torch.Tensor, DecodingCache]:
+        """Run a prompt's embeddings ``h: (B, T, d)`` (no positions yet) through the stack at once.
+
+        Returns:
+            ``(hidden, cache)``: the hidden states ``(B, T, d)`` of :meth:`forward_embeddings`
+            and the :class:`DecodingCache` after the ``T`` tokens (``position = T``), each
+            block's mixer state taken from the same pass (:meth:`TransformerBlock.prefill`).
+        """
+        if not self.config.causal:
+            raise RuntimeError(f"{self.where}: incremental decoding needs config.causal=True")
+        B, T = h.shape[:2]
+        h = self._inputs(h)
+        states = []
+        for block in self.blocks:
+            h, state = block.prefill(h)
+            states.append(state)
+        return self.final_norm(h), DecodingCache(states=states, position=T, batch_size=B)
 
     def forward(
         self, idx: torch.Tensor, *, padding_mask: torch.Tensor | None = None
@@ -224,7 +244,8 @@ class TransformerLM(nn.Module):
     """Causal language model: ``logits = LN_f(Blocks(E[idx] + P)) W_head^T``.
 
     The head ``W_head: (V, d)`` is the token embedding itself when ``config.tie_embeddings``.
-    Decoding works with any causal mixer through its ``init_state``/``step``.
+    Decoding works with any causal mixer through its ``init_state``/``step``; :meth:`generate`
+    first feeds the prompt in one parallel pass (:meth:`prefill`).
 
     Args:
         config: a :class:`TransformerConfig` with ``causal=True``.
@@ -295,6 +316,27 @@ class TransformerLM(nn.Module):
         """An empty :class:`DecodingCache` (the model's device and dtype by default)."""
         return self.backbone.init_cache(batch_size, device=device, dtype=dtype)
 
+    def prefill(self, idx: torch.Tensor) -> tuple[torch.Tensor, DecodingCache]:
+        """Feed a whole prompt in one parallel pass and return the cache to decode on from.
+
+        Every block's mixer returns its decoding state from the same pass that computes the
+        hidden states (:meth:`~aftlab.mixers.SequenceMixer.prefill`), instead of ``T`` calls of
+        :meth:`step`; the cache equals theirs (within float rounding), and so do the logits that
+        follow.
+
+        Args:
+            idx: token ids ``(B, T)``, ``T >= 1``; ``T <= max_seq_len`` with learned positions or
+                a length-limited mixer (``aft-full``, ``aft-local``).
+
+        Returns:
+            ``(logits, cache)``: ``forward(idx)``'s ``(B, T, vocab_size)`` and the
+            :class:`DecodingCache` at ``position = T``.
+        """
+        where = type(self).__name__
+        _check_tokens(where, "idx", idx, ndim=2, vocab_size=self.config.vocab_size)
+        h, cache = self.backbone.prefill_embeddings(self.backbone.token_embedding(idx))
+        return self.head(h), cache
+
     def step(self, tokens: torch.Tensor, cache: DecodingCache) -> torch.Tensor:
         """Feed one token per sequence at position ``cache.position``; updates ``cache`` in place.
 
@@ -358,9 +400,9 @@ class TransformerLM(nn.Module):
     ) -> Iterator[torch.Tensor]:
         if max_new_tokens == 0:
             return
-        cache = self.init_cache(prompt.shape[0])
-        for t in range(prompt.shape[1]):  # prefill token by token: works with any causal mixer
-            logits = self.step(prompt[:, t], cache)
+        # the prompt in one parallel pass; only its last position's logits are needed
+        h, cache = self.backbone.prefill_embeddings(self.backbone.token_embedding(prompt))
+        logits = self.head(h[:, -1])
         for i in range(max_new_tokens):
             token = sample_next_token(
                 logits, temperature=temperature, top_k=top_k, generator=generator
@@ -380,8 +422,9 @@ class TransformerLM(nn.Module):
     ) -> torch.Tensor:
         """Continue ``prompt`` by sampling ``max_new_tokens`` tokens autoregressively.
 
-        Each token is drawn from ``softmax(logits / temperature)`` over the ``top_k`` largest
-        logits (:func:`~aftlab.models.generation.sample_next_token`); ``temperature=0`` is greedy.
+        The prompt is fed in one parallel pass (:meth:`prefill`), then each token is drawn
+        from ``softmax(logits / temperature)`` over the ``top_k`` largest logits
+        (:func:`~aftlab.models.generation.sample_next_token`); ``temperature=0`` is greedy.
         Runs under ``torch.no_grad()``; call ``model.eval()`` first to disable dropout.
 
         Args:
@@ -588,10 +631,12 @@ class PixelTransformer(nn.Module):
         ``logits[:, t]`` is the distribution of ``pixels[:, t]`` given ``pixels[:, :t]``.
         """
         pixels = self._flatten(pixels)
-        B = pixels.shape[0]
+        return self.head(self.backbone.forward_embeddings(self._inputs(pixels)))
+
+    def _inputs(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Embeddings fed for ``pixels (B, T)``: the start token, then ``pixels[:, :-1]``."""
         emb = self.backbone.token_embedding(pixels[:, :-1])
-        h = torch.cat([self.start.to(emb.dtype).expand(B, 1, -1), emb], dim=1)
-        return self.head(self.backbone.forward_embeddings(h))
+        return torch.cat([self.start.to(emb.dtype).expand(len(pixels), 1, -1), emb], dim=1)
 
     def bits_per_dim(self, pixels: torch.Tensor) -> torch.Tensor:
         """Bits per (sub-)pixel ``-(1/N) sum_t log2 p(x_t | x_<t)``: ``(B,)``."""
@@ -662,22 +707,17 @@ class PixelTransformer(nn.Module):
                     f"got {tuple(prefix.shape)}"
                 )
             known = prefix.shape[1]
-        cache = self.init_cache(batch_size)
         out: list[torch.Tensor] = []
         prev = None
-        for t in range(self.num_pixels):
-            if t < known:
-                h = (
-                    self.start.expand(batch_size, -1)
-                    if prev is None
-                    else self.backbone.token_embedding(prev)
-                )
-                self.backbone.step_embeddings(h, cache)  # only advance the state; no logits needed
-                prev = prefix[:, t]
-            else:
-                logits = self.step(prev, cache)
-                prev = sample_next_token(
-                    logits, temperature=temperature, top_k=top_k, generator=generator
-                )
+        if known:  # the start token and the prefix but its last pixel, in one parallel pass
+            _, cache = self.backbone.prefill_embeddings(self._inputs(prefix))
+            out, prev = list(prefix.unbind(1)), prefix[:, -1]
+        else:
+            cache = self.init_cache(batch_size)
+        for _ in range(known, self.num_pixels):
+            logits = self.step(prev, cache)
+            prev = sample_next_token(
+                logits, temperature=temperature, top_k=top_k, generator=generator
+            )
             out.append(prev)
         return torch.stack(out, dim=1)

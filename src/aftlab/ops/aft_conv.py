@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import kernels
 from .._checks import check_compatible, check_padding_mask, check_tensor
 from .scan import stable_prefix_average
 
@@ -246,6 +247,11 @@ class _Geometry:
         return torch.cat(Ls, 3), torch.cat(As, 3)
 
 
+def _empty(q, k, v, w) -> torch.Tensor:
+    """The empty output of an empty input, connected to every input (whose gradients are 0)."""
+    return torch.sigmoid(q) * v + (k.sum() + w.sum()) * 0.0
+
+
 def _reduce_to(x: torch.Tensor, ck: int) -> torch.Tensor:
     """Sum a head's channels when the key has one channel per head (``ck == 1``)."""
     return x.sum(-1, keepdim=True) if ck == 1 else x
@@ -413,8 +419,10 @@ def aft_conv(
             f"got 'w' of shape {tuple(w.shape)}"
         )
     B, T = q.shape[:2]
-    if T == 0:
-        return torch.sigmoid(q) * v  # empty
+    if q.numel() == 0:  # no batch, positions, heads or channels
+        return _empty(q, k, v, w)
+    if kernels.enabled(q):
+        return kernels.band.conv1d(q, k, v, w, causal=causal, padding_mask=padding_mask)
     geom = _Geometry.make(1, T, s, causal=bool(causal), two_d=False)
     mask = None if padding_mask is None else padding_mask[:, None]
     y = _AFTConvFunction.apply(q[:, None], k[:, None], v[:, None], w, mask, geom)
@@ -464,8 +472,8 @@ def aft_conv2d(
             f"{where}: the kernel must have odd size s (centred), got 'w' of shape {tuple(w.shape)}"
         )
     H, W = q.shape[1:3]
-    if H * W == 0:
-        return torch.sigmoid(q) * v  # empty
+    if q.numel() == 0:  # no batch, positions, heads or channels
+        return _empty(q, k, v, w)
     geom = _Geometry.make(H, W, s, causal=False, two_d=True)
     return _AFTConvFunction.apply(q, k, v, w.reshape(w.shape[0], s * s), padding_mask, geom)
 

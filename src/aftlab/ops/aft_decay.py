@@ -10,19 +10,28 @@ The past part is the prefix ``(L_{t-1}, A_{t-1})`` of
 :func:`aftlab.ops.scan.stable_prefix_average` with decay ``lambda`` (``exp(L_{t-1}) A_{t-1}``
 is the numerator's sum over ``t' <= t - 1``), so with ``w_t = sigmoid(u + K_t - L_{t-1})``::
 
-    Y_t = sigma(Q_t) * ((1 - w_t) A_{t-1} + w_t V_t) = sigma(Q_t) * lerp(A_{t-1}, V_t, w_t)
+    Y_t = sigma(Q_t) * ((1 - w_t) A_{t-1} + w_t V_t)
 
-(``w_0 = 1``: the first token only sees itself). Time and memory ``O(B T d)``; stable for any
-finite input, since only sigmoids and the scan's non-positive exponents are evaluated.
+(``w_0 = 1``: the first token only sees itself). Time and memory ``O(B T d)``; finite and
+exact for any finite input, since only sigmoids and the scan's non-positive exponents are
+evaluated: the sigmoid's argument is formed in halves, ``2 ((u/2 + K_t/2) - L_{t-1}/2)``, so
+that it never meets ``inf - inf`` (``u + K_t`` and ``L_{t-1}`` may each lie beyond the float
+range), and the average is the convex form above, never ``V - A`` (which overflows for values
+of opposite signs near the largest float).
+
+On CPU tensors the op runs the fused C++ kernel ``torch.ops.aftlab.decay`` (RWKV's WKV
+recurrence with a running maximum, one pass forward and one reverse pass backward;
+:mod:`aftlab.kernels`) when it is available, else the PyTorch implementation below.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .. import kernels
 from .._checks import check_tensor
 from .aft_simple import _check_qkv
-from .scan import _neg, stable_prefix_average
+from .scan import stable_prefix_average
 
 __all__ = ["aft_decay", "aft_decay_reference"]
 
@@ -35,7 +44,10 @@ def _check_decay_bonus(where: str, q: torch.Tensor, decay, bonus) -> None:
         check_tensor(where, name, t, shape=(d,), floating=True)
         if t.device != q.device:
             raise ValueError(f"{where}: '{name}' is on {t.device} but 'q' is on {q.device}")
-    if d and bool((decay < 0).any() | ~torch.isfinite(decay).all()):
+    # A value check syncs on data: torch.compile traces without it (fullgraph, no graph break).
+    if d and not torch.compiler.is_compiling() and bool(
+        (decay < 0).any() | ~torch.isfinite(decay).all()
+    ):
         raise ValueError(
             f"{where}: 'decay' must be finite and >= 0 in every channel, "
             f"got min {decay.min().item():g}"
@@ -72,6 +84,13 @@ def aft_decay(
     where = "aft_decay"
     _check_qkv(where, q, k, v, padding_mask)
     _check_decay_bonus(where, q, decay, bonus)
+    if kernels.enabled(q, decay, bonus):
+        return kernels._ops.aft_decay(q, k, v, decay, bonus, padding_mask=padding_mask)
+    return _aft_decay_torch(q, k, v, decay, bonus, padding_mask=padding_mask)
+
+
+def _aft_decay_torch(q, k, v, decay, bonus, *, padding_mask):
+    """The pure-PyTorch implementation of :func:`aft_decay` (inputs already validated)."""
     out_dtype = q.dtype
     cdt = torch.float32 if out_dtype in _LOW else out_dtype
     q, k, v = q.to(cdt), k.to(cdt), v.to(cdt)
@@ -81,11 +100,14 @@ def aft_decay(
     L, A = stable_prefix_average(k, v, decay=lam, padding_mask=padding_mask)
     L_prev = torch.cat([L.new_full((B, 1, d), float("-inf")), L[:, :-1]], 1)
     A_prev = torch.cat([A.new_zeros(B, 1, d), A[:, :-1]], 1)
-    # w_t = exp(u + K_t) / (exp(L_{t-1}) + exp(u + K_t)); an empty past (-inf) gives w = 1.
-    w = torch.sigmoid(u + k - L_prev.clamp_min(_neg(cdt)))
+    # w_t = exp(u + K_t) / (exp(L_{t-1}) + exp(u + K_t)) = sigmoid(u + K_t - L_{t-1}), the
+    # argument in halves (see the module docstring); an empty past (-inf) gives w = 1.
+    w = torch.sigmoid(torch.sub(k / 2 + u / 2, L_prev / 2).mul_(2))
     if padding_mask is not None:
-        w = w.masked_fill(~padding_mask[:, :, None], 0.0)
-    return (torch.sigmoid(q) * torch.lerp(A_prev, v, w)).to(out_dtype)
+        pad = ~padding_mask[:, :, None]
+        w, v = w.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
+    A = A_prev.addcmul(w, A_prev, value=-1.0).addcmul_(w, v)  # (1 - w) A_{t-1} + w V_t
+    return (torch.sigmoid(q) * A).to(out_dtype)
 
 
 def aft_decay_reference(

@@ -11,19 +11,29 @@ the channels), elementwise over the channel ``c``::
 
 How it is computed (see docs/aft.md):
 
-* **Fast path: two matrix products.** With a row shift ``m^w_t = max_t' w_{t,t'}`` and a
-  per-channel key shift ``m^K_c = max_t' K_{t',c}`` every factor
-  ``E^w = exp(w - m^w)`` and ``E^K = exp(K - m^K)`` is at most 1, and
-  ``num = E^w @ (E^K * V)``, ``den = E^w @ E^K``; ``A = num / den``,
-  ``L = log(den) + m^w + m^K``. Causal: rows in blocks; query block ``i`` multiplies only key
-  blocks ``j <= i`` (the triangle above the diagonal blocks is skipped, not masked), each key
-  block with its own shift ``m_j``, rescaled by ``exp(m_j - M_i) <= 1`` where
-  ``M_i = max_{j <= i} m_j`` is the max over the keys block ``i`` may see:
-  ``[num | den]_i = sum_{j <= i} exp(m_j - M_i) * (E^w_{ij} @ [E^K_j V_j | E^K_j])``.
-* **Exact rescue.** The factorised shift can exceed the true ``max_t' (K_t' + w_{t,t'})`` by
-  a lot when the two maximisers differ, and ``den`` then underflows (0/0) or loses precision.
-  Every row ``(b, t)`` with a ``den`` below ``sqrt(finfo.tiny)`` is recomputed exactly, in
-  float64, with its own per-``(t, c)`` maximum over the keys it sees. Typical inputs never
+* **Fast path: two matrix products.** With a row shift ``m^w_t = max_t' w_{t,t'}`` (over the
+  keys ``t'`` that query ``t`` sees) and a per-channel key shift ``m^K_c``, the factors
+  ``E^w = exp(w - m^w)`` and ``E^K = exp(K - m^K)`` give ``num = E^w @ (E^K * V)``,
+  ``den = E^w @ E^K``; ``A = num / den``, ``L = log(den) + m^w + m^K``. Non-causal: one block,
+  ``m^K`` the max of all keys (every factor is at most 1).
+* **Causal: exact causality, bit for bit.** Query blocks ``[i0, i1)`` of 256-512 rows multiply
+  the keys ``[0, i1)`` (the triangle above the block's diagonal is skipped); unseen biases
+  are -inf, so ``E^w = 0`` there. The key shift ``m^K`` is the max of the keys ``[0, i0]``,
+  which every query of the block sees, never a key in some query's future (the earlier key
+  blocks are exponentiated once, with their own max ``m_j``, and rescaled by
+  ``exp(m_j - m^K) <= 1``). The block's own
+  (*diagonal*) keys ``[i0, i1)`` may then have ``E^K > 1``; one with ``E^K > e^44`` or a
+  non-finite ``E^K`` or ``E^K V`` (a NaN or inf input, or an overflow) is *unsafe*: it is
+  zeroed, so that the queries before it multiply a finite 0 with their ``E^w = 0``. A query
+  that sees an unsafe key gets NaN in that channel if the key or value there is non-finite,
+  and is recomputed exactly (below) otherwise. So an output depends only on the keys,
+  values and biases it sees: a NaN, an inf or any other change at position ``p`` leaves every
+  output before ``p`` bit-identical (up to the sign of a zero).
+* **Exact rescue.** The factorised shift ``m^w_t + m^K`` can exceed the true
+  ``max_t' (K_t' + w_{t,t'})`` by a lot when the two maximisers differ, and ``den`` then
+  underflows (0/0) or loses precision. Every row ``(b, t)`` with a ``den`` below
+  ``sqrt(finfo.tiny)`` (or an unsafe diagonal key with finite inputs) is recomputed exactly,
+  in float64, with its own per-``(t, c)`` maximum over the keys it sees. Typical inputs never
   take this path; adversarial ones (keys and biases ~1e4) still get the exact answer.
 * **Backward** (custom autograd): with ``R = dA / den`` and ``S = (dA * A - dL) / den``::
 
@@ -33,7 +43,11 @@ How it is computed (see docs/aft.md):
 
   i.e. ``dV_t' = sum_t dA_t P_{t,t'}``, ``dK_t' = sum_t P_{t,t'} (dA_t (V_t' - A_t) + dL_t)``,
   ``dw_{t,t'} = sum_c P_{t,t',c} (dA_{t,c} (V_{t',c} - A_{t,c}) + dL_{t,c})``; rescued rows use
-  the same formulas with ``P`` computed exactly.
+  the same formulas with ``P`` computed exactly. Outputs without upstream gradient
+  contribute exactly 0 (``R = S = 0``; a block none reaches is skipped), so the gradients
+  of inputs before ``p`` from outputs before ``p`` are bit-identical whatever comes at ``p``.
+  Every accumulation is deterministic for a fixed thread count (``scatter_add_`` along the
+  bias rows, ``index_add_`` for the rescue; no ``index_put_(accumulate=True)``).
 
 Memory is ``O(B T d + T^2)``: nothing of size ``B x T x T x d`` is ever formed. float16 and
 bfloat16 inputs are computed in float32 (autocast disabled inside) and returned in their dtype.
@@ -56,6 +70,7 @@ __all__ = ["aft_full", "aft_full_reference", "lse_average"]
 _CAUSAL_BLOCK = (256, 512)  # rows per block of the causal block-triangular product: T//4, clamped
 _BAND_BLOCK = 64  # query rows per block of a banded (AFT-local) product
 _RESCUE_ELEMS = 1 << 21  # elements of one (rows, keys, d) float64 chunk of the exact rescue
+_SAFE = math.exp(44.0)  # largest factor exp(K_t' - m^K) of a causal diagonal key (den stays finite)
 
 
 class Geometry(NamedTuple):
@@ -80,15 +95,23 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 # ----------------------------------------------------------------------------- blocks
-def _blocks(geo: Geometry) -> list[tuple[int, int, int, int]]:
-    """Query blocks ``[i0, i1)`` with the key range ``[lo, hi)`` they may see.
+def _causal_block_size(T: int) -> int:
+    lo, hi = _CAUSAL_BLOCK
+    return min(hi, max(lo, T // 4))
 
-    Non-causal AFT-full is one block; AFT-local's band is cut in blocks of ``_BAND_BLOCK``
-    queries (causal AFT-full uses :func:`_causal_forward` instead).
+
+def _blocks(geo: Geometry) -> list[tuple[int, int, int, int]]:
+    """Query blocks ``[i0, i1)`` with the key range ``[lo, hi)`` they are multiplied with.
+
+    Non-causal AFT-full is one block; causal AFT-full is cut in blocks of 256-512 queries
+    (:data:`_CAUSAL_BLOCK`) against the keys ``[0, i1)``; AFT-local's band in blocks of
+    ``_BAND_BLOCK`` queries. Causal blocks always end their keys at ``hi = i1``: the keys
+    ``[i0, i1)`` are the block's *diagonal*, in the future of some of its queries.
     """
     T = geo.T
     if geo.alpha == 0:
-        return [(0, T, 0, T)]
+        size = _causal_block_size(T) if geo.causal else T
+        return [(i0, min(T, i0 + size), 0, min(T, i0 + size)) for i0 in range(0, T, size)]
     out = []
     for i0 in range(0, T, _BAND_BLOCK):
         i1 = min(T, i0 + _BAND_BLOCK)
@@ -104,6 +127,7 @@ def _block_bias(wb, geo, i0, i1, lo, hi):
     """Bias ``w_{t,t'}`` for ``t in [i0, i1)``, ``t' in [lo, hi)``, -inf where not seen.
 
     Returns ``(bias (nq, nk), col)``; ``col`` is the gather index into ``wb`` (None for full).
+    Unseen entries are overwritten (``masked_fill``), so a NaN bias there never enters.
     """
     dev = wb.device
     t = torch.arange(i0, i1, device=dev)[:, None]
@@ -123,143 +147,161 @@ def _block_bias(wb, geo, i0, i1, lo, hi):
     return bias, col
 
 
-def _finite_or_zero(m: torch.Tensor) -> torch.Tensor:
-    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+def _floor(m: torch.Tensor) -> torch.Tensor:
+    """A shift with -inf (nothing seen) replaced by 0, so that ``exp(x - m)`` is 0, not NaN.
+
+    NaN and +inf are kept: they come from a NaN or +inf input the queries see, and make
+    exactly those outputs NaN.
+    """
+    return m.masked_fill(m == float("-inf"), 0.0)
 
 
-def _block_factors(k, v, pad, wb, geo, blk):
-    """``E^w (nq, nk)``, ``E^K (B, nk, d)``, shifts ``m^w (nq, 1)``, ``m^K (B, 1, d)``."""
+class _Factors(NamedTuple):
+    """One block's factors: ``P_{t,t'} ∝ E^w_{t,t'} E^K_{t'}``, shifted by ``m^w_t + m^K``."""
+
+    bias: torch.Tensor  # (nq, nk), -inf where not seen
+    col: torch.Tensor | None  # gather index into wb (band), None for full
+    ew: torch.Tensor  # (nq, nk) exp(bias - m^w), 0 where not seen
+    mw: torch.Tensor  # (nq, 1)
+    x: torch.Tensor  # (B, nk, 2d): [E^K V | E^K], E^K = exp(K - m^K), 0 at unsafe diagonal keys
+    mk: torch.Tensor  # (B, 1, d)
+    unsafe: torch.Tensor | None  # causal: (B, nq, d) bool, diagonal keys zeroed above, or None
+
+
+def _key_blocks(k, v, geo) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Causal AFT-full's keys in blocks of the query block size, each with its own shift.
+
+    Returns ``X (B, n, S, 2d) = [E V | E]`` with ``E_j = exp(K_j - m_j)`` and ``m (B, n, 1, d)``
+    the raw max of block ``j``'s keys (-inf for an all-padded block), computed once and
+    rescaled by ``exp(m_j - m^K) <= 1`` for each later query block; None for other geometries.
+    """
+    if not (geo.causal and geo.alpha == 0):
+        return None
+    B, T, d = k.shape
+    S = _causal_block_size(T)
+    n = -(-T // S)
+    kp = torch.nn.functional.pad(k, (0, 0, 0, n * S - T), value=float("-inf")).view(B, n, S, d)
+    vp = torch.nn.functional.pad(v, (0, 0, 0, n * S - T)).view(B, n, S, d)
+    m = kp.amax(2, keepdim=True)
+    x = kp.new_empty(B, n, S, 2 * d)
+    torch.exp(torch.sub(kp, _floor(m), out=x[..., d:]), out=x[..., d:])
+    torch.mul(x[..., d:], vp, out=x[..., :d])
+    return x, m
+
+
+def _factors(k, v, wb, geo, blk, kb=None) -> _Factors:
+    """The factors of block ``blk`` (``k``: padded keys already -inf, ``v``: padded values 0;
+    ``kb``: :func:`_key_blocks` for causal AFT-full).
+
+    ``m^w_t`` is the max of the biases query ``t`` sees. ``m^K`` is, non-causal, the max of the
+    block's keys; causal, the max of the keys ``[lo, i0]``, which every query of the block
+    sees (so nothing a query must not see sets its shift). Causal diagonal keys may then exceed
+    ``m^K``: a factor ``E^K > e^44`` (``den`` could overflow) or a non-finite ``E^K`` or
+    ``E^K V`` makes the key *unsafe*; it is zeroed here (so that the queries before it multiply
+    a finite 0, never a NaN or inf), and the queries from it on are handled by the caller.
+    """
     i0, i1, lo, hi = blk
     bias, col = _block_bias(wb, geo, i0, i1, lo, hi)
-    mw = _finite_or_zero(bias.amax(1, keepdim=True))
-    kk = k[:, lo:hi]
-    if pad is not None:
-        kk = kk.masked_fill(~pad[:, lo:hi, None], float("-inf"))
-    mk = _finite_or_zero(kk.amax(1, keepdim=True))
-    return torch.exp(bias - mw), torch.exp(kk - mk), mw, mk, col
+    mw = _floor(bias.amax(1, keepdim=True))
+    B, d = k.shape[0], k.shape[2]
+    x = k.new_empty(B, hi - lo, 2 * d)
+    if kb is not None and i0 > 0:  # causal AFT-full: the earlier key blocks, rescaled
+        X, m = kb
+        i = i0 // X.shape[2]
+        mk = _floor(torch.maximum(m[:, :i].amax(1), k[:, i0 : i0 + 1]))
+        sc = torch.exp(m[:, :i] - mk[:, None])  # (B, i, 1, d), at most 1
+        torch.mul(X[:, :i], torch.cat([sc, sc], -1), out=x[:, :i0].view(B, i, -1, 2 * d))
+        js = i0  # keys computed below: the diagonal
+    else:
+        mk = _floor(k[:, lo : (i0 + 1 if geo.causal else hi)].amax(1, keepdim=True))
+        js = 0
+    ev, ek = x[:, js:, :d], x[:, js:, d:]
+    torch.exp(torch.sub(k[:, lo + js : hi], mk, out=ek), out=ek)
+    torch.mul(ek, v[:, lo + js : hi], out=ev)
+    unsafe = None
+    if geo.causal:  # the diagonal keys [i0, hi)
+        dv, dk = x[:, i0 - lo :, :d], x[:, i0 - lo :, d:]
+        safe = dk + dv * 0.0 <= _SAFE  # False for NaN, inf, or E^K > e^44
+        if not bool(safe.all()):
+            unsafe = ~safe
+            dk.masked_fill_(unsafe, 0.0)
+            dv.masked_fill_(unsafe, 0.0)
+    return _Factors(bias, col, torch.exp(bias - mw), mw, x, mk, unsafe)
 
 
-def _causal_factors(k, v, pad, size):
-    """Causal AFT-full keys in ``n`` blocks of ``size`` (the last one padded), each with its shift.
-
-    Returns ``X (B, n, size, 2d) = [E^K V | E^K]`` with ``E^K_j = exp(K_j - m_j)``, ``m_j`` the
-    max of block ``j``'s unpadded keys; the pair scales ``exp(m_j - M_i) <= 1``
-    ``(B, n_i, n_j, 2d)`` with ``M_i = max_{j <= i} m_j`` (0 for an all-padded block ``j``);
-    and ``M (B, n, d)``.
-    """
-    B, T, d = k.shape
-    n = -(-T // size)
-    kp = k.new_full((B, n * size, d), float("-inf"))
-    kp[:, :T] = k if pad is None else k.masked_fill(~pad[..., None], float("-inf"))
-    vp = v.new_zeros((B, n * size, d))
-    vp[:, :T] = v
-    kp, vp = kp.view(B, n, size, d), vp.view(B, n, size, d)
-    m = kp.amax(2)  # (B, n, d)
-    M = _finite_or_zero(torch.cummax(m, 1).values)
-    ek = torch.exp(kp - _finite_or_zero(m)[:, :, None])
-    sc = torch.where(torch.isfinite(m)[:, None], torch.exp(m[:, None] - M[:, :, None]), 0.0)
-    return torch.cat([ek * vp, ek], -1), torch.cat([sc, sc], -1), M
-
-
-def _causal_rows(wb, geo, X, sc, i, size):
-    """Query block ``i``: ``E^w (nq, kx)``, ``m^w (nq, 1)`` and the keys it sees, rescaled to its
-    shift, ``X_i = [exp(m_j - M_i) X_j]_{j <= i}`` as ``(B, kx, 2d)``, ``kx = (i + 1) size``."""
-    T, B = geo.T, X.shape[0]
-    i0, i1, kx = i * size, min(geo.T, (i + 1) * size), (i + 1) * size
-    bias, _ = _block_bias(wb, geo, i0, i1, 0, min(kx, T))
-    bias = torch.nn.functional.pad(bias, (0, kx - bias.shape[1]), value=float("-inf"))
-    mw = _finite_or_zero(bias.amax(1, keepdim=True))
-    xs = (X[:, : i + 1] * sc[:, i, : i + 1, None]).reshape(B, kx, -1)
-    return torch.exp(bias - mw), mw, xs, i0, i1, kx
-
-
-def _causal_block_size(T: int) -> int:
-    lo, hi = _CAUSAL_BLOCK
-    return min(hi, max(lo, T // 4))
-
-
-def _causal_forward(k, v, pad, wb, geo, L, A, den):
-    """Block-triangular causal AFT-full: query block ``i`` times key blocks ``j <= i`` only,
-    ``[num | den]_i = sum_{j <= i} exp(m_j - M_i) * (E^w_{ij} @ X_j)``."""
-    B, T, d = k.shape
-    size = _causal_block_size(T)
-    X, sc, M = _causal_factors(k, v, pad, size)
-    for i in range(X.shape[1]):
-        ew, mw, xs, i0, i1, _ = _causal_rows(wb, geo, X, sc, i, size)
-        out = torch.bmm(ew.expand(B, -1, -1), xs)
-        den[:, i0:i1] = out[..., d:]
-        A[:, i0:i1] = out[..., :d] / out[..., d:]
-        L[:, i0:i1] = torch.log(out[..., d:]) + mw + M[:, i, None]
-
-
-def _causal_backward(k, v, pad, wb, geo, R, S, dk, dv, dwb):
-    """Backward of :func:`_causal_forward`, the same block pairs (see the module docstring)."""
-    B, T, d = k.shape
-    size = _causal_block_size(T)
-    X, sc, _ = _causal_factors(k, v, pad, size)
-    Y = torch.zeros_like(X)  # (B, n, size, 2d): E^w^T @ [R | S], per key block, key-block shift
-    for i in range(X.shape[1]):
-        ew, _, xs, i0, i1, kx = _causal_rows(wb, geo, X, sc, i, size)
-        rs = torch.cat([R[:, i0:i1], S[:, i0:i1]], -1)
-        y = torch.bmm(ew.t().expand(B, -1, -1), rs).view(B, i + 1, size, 2 * d)
-        Y[:, : i + 1] += y * sc[:, i, : i + 1, None]
-        left = torch.cat([R[:, i0:i1], -S[:, i0:i1]], -1).transpose(0, 1).reshape(i1 - i0, -1)
-        g = ew * (left @ xs.transpose(0, 1).reshape(kx, -1).t())
-        dwb[i0:i1, : min(kx, T)] = g[:, :T]
-    ek, Y = X[..., d:].reshape(B, -1, d)[:, :T], Y.reshape(B, -1, 2 * d)[:, :T]
-    dv.copy_(ek * Y[..., :d])
-    dk.copy_(ek * (v * Y[..., :d] - Y[..., d:]))
+def _cumany(x: torch.Tensor) -> torch.Tensor:
+    """``out[:, t] = any(x[:, :t + 1])`` for bool ``(B, n, d)``."""
+    return torch.cummax(x.to(torch.uint8), 1).values.bool()
 
 
 # ----------------------------------------------------------------------------- exact rescue
-def _rescue_rows(k, v, pad, wb, geo, rows):
-    """Yield ``(b, t, kpos, valid, s, m)`` chunks: exact scores ``s = K_t' + w_{t,t'}`` in float64.
+def _rescue_rows(k, v, wb, geo, rows):
+    """Yield ``(b, t, j, kpos, valid, s, m)`` chunks: scores ``s = K_t' + w_{t,t'}`` in float64.
 
-    ``s`` is ``(R, W, d)`` with -inf at keys the row does not see; ``m`` is its per-(t, c) max.
+    ``j`` are the columns of ``wb`` read (``W'`` of them: all ``W``, or causal AFT-full the
+    keys up to the chunk's last row), ``kpos`` ``(R, W')`` their key positions; ``s`` is
+    ``(R, W', d)`` with -inf at keys the row does not see (padded keys are -inf in ``k``);
+    ``valid`` ``(R, W')`` marks the keys the row sees; ``m`` is the per-(t, c) max.
     """
     T, d = k.shape[1], k.shape[2]
     chunk = max(1, _RESCUE_ELEMS // max(1, geo.W * d))
-    j = torch.arange(geo.W, device=k.device)
+    full_causal = geo.alpha == 0 and geo.causal
+    if full_causal:  # rows by position: a chunk reads the keys up to its last row only
+        rows = rows[torch.sort(rows[:, 1], stable=True).indices]
     for start in range(0, rows.shape[0], chunk):
         b, t = rows[start : start + chunk].unbind(1)
+        j = torch.arange(int(t.max()) + 1 if full_causal else geo.W, device=k.device)
         kpos = geo.alpha * t[:, None] + j[None, :] - geo.beta
         valid = (kpos >= 0) & (kpos < T)
         if geo.causal:
             valid &= kpos <= t[:, None]
         kpos = kpos.clamp(0, T - 1)
-        if pad is not None:
-            valid &= pad[b[:, None], kpos]
-        s = k[b[:, None], kpos].double() + wb[t].double()[:, :, None]
+        s = k[b[:, None], kpos].double() + wb[t[:, None], j[None, :]].double()[:, :, None]
         s = s.masked_fill(~valid[:, :, None], float("-inf"))
-        m = _finite_or_zero(s.amax(1, keepdim=True))
-        yield b, t, kpos, s, m
+        m = _floor(s.amax(1, keepdim=True))
+        yield b, t, j, kpos, valid, s, m
 
 
-def _rescue_forward(k, v, pad, wb, geo, rows, L, A):
-    for b, t, kpos, s, m in _rescue_rows(k, v, pad, wb, geo, rows):
+def _seen_values(v, b, kpos, valid):
+    """``V_t'`` in float64 at the keys a rescued row sees, 0 elsewhere (no future NaN enters)."""
+    return v[b[:, None], kpos].double().masked_fill(~valid[:, :, None], 0.0)
+
+
+def _rescue_forward(k, v, wb, geo, rows, L, A):
+    for b, t, _, kpos, valid, s, m in _rescue_rows(k, v, wb, geo, rows):
         e = torch.exp(s - m)
         den = e.sum(1)
-        num = (e * v[b[:, None], kpos].double()).sum(1)
-        ok = den > 0
-        A[b, t] = torch.where(ok, num / torch.where(ok, den, 1.0), 0.0).to(A.dtype)
-        L[b, t] = (torch.log(den) + m[:, 0]).to(L.dtype)
+        num = (e * _seen_values(v, b, kpos, valid)).sum(1)
+        A[b, t] = torch.where(den == 0, 0.0, num / torch.where(den == 0, 1.0, den)).to(A.dtype)
+        if L is not None:
+            L[b, t] = torch.log(den) + m[:, 0]
 
 
-def _rescue_backward(k, v, pad, wb, geo, rows, A, gA, gL, dk, dv, dwb):
-    j = torch.arange(geo.W, device=k.device)
-    for b, t, kpos, s, m in _rescue_rows(k, v, pad, wb, geo, rows):
+def _rescue_backward(k, v, wb, geo, rows, A, gA, gL, quiet, dk, dv, dwb):
+    """Gradients of the rescued rows, accumulated with ``index_add_`` (deterministic on CPU,
+    unlike ``index_put_(accumulate=True)``) over whole slices: one call per chunk for AFT-full,
+    whose rows all read the keys ``j``; one per band offset for AFT-local."""
+    T = k.shape[1]
+    for b, t, j, kpos, valid, s, m in _rescue_rows(k, v, wb, geo, rows):
         e = torch.exp(s - m)
         den = e.sum(1, keepdim=True)
-        p = e / torch.where(den > 0, den, 1.0)  # P_{t,t',c}, 0 at unseen keys
+        p = e / torch.where(den == 0, 1.0, den)  # P_{t,t',c}, 0 at unseen keys
         ga, gl = gA[b, t].double()[:, None], gL[b, t].double()[:, None]
         a = A[b, t].double()[:, None]
-        vr = v[b[:, None], kpos].double()
-        g = p * (ga * (vr - a) + gl)  # d(loss)/d(K_t' + w_{t,t'}) per channel
-        bb = b[:, None].expand_as(kpos)
-        dk.index_put_((bb, kpos), g.to(dk.dtype), accumulate=True)
-        dv.index_put_((bb, kpos), (p * ga).to(dv.dtype), accumulate=True)
-        tt, jj = t[:, None].expand_as(kpos), j[None].expand_as(kpos)
-        dwb.index_put_((tt, jj), g.sum(-1).to(dwb.dtype), accumulate=True)
+        vr = _seen_values(v, b, kpos, valid)
+        # no upstream gradient, or a key not seen: contributes exactly nothing (not 0 * NaN)
+        off = quiet[b, t][:, None] | ~valid[:, :, None]
+        g = (p * (ga * (vr - a) + gl)).masked_fill(off, 0.0).to(dk.dtype)  # d/d(K + w)
+        gv = (p * ga).masked_fill(off, 0.0).to(dv.dtype)
+        dwb[:, : j.numel()].index_add_(0, t, g.sum(-1).to(dwb.dtype))
+        if geo.alpha == 0:  # every row reads the keys kpos = j
+            dk[:, : j.numel()].index_add_(0, b, g)
+            dv[:, : j.numel()].index_add_(0, b, gv)
+        else:
+            for c in range(j.numel()):
+                at = b * T + kpos[:, c]
+                dk.view(-1, k.shape[2]).index_add_(0, at, g[:, c])
+                dv.view(-1, k.shape[2]).index_add_(0, at, gv[:, c])
 
 
 # ----------------------------------------------------------------------------- autograd op
@@ -269,65 +311,79 @@ def _tau(dtype: torch.dtype) -> float:
 
 class _LSEAverage(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, k, v, wb, pad, geo):
+    def forward(ctx, k, v, wb, pad, geo, with_log):
         B, T, d = k.shape
-        L = torch.empty_like(k)
-        A = torch.empty_like(k)
-        den = torch.empty_like(k)
-        causal_full = geo.alpha == 0 and geo.causal
-        if causal_full:
-            _causal_forward(k, v, pad, wb, geo, L, A, den)
-        for blk in [] if causal_full else _blocks(geo):
+        if pad is not None:  # padded keys contribute exp(-inf) = 0, padded values 0
+            k = k.masked_fill(~pad[..., None], float("-inf"))
+            v = v.masked_fill(~pad[..., None], 0.0)
+        L = k.new_empty(B, T, d, dtype=torch.float64) if with_log else None  # else not formed
+        A, den = torch.empty_like(k), torch.empty_like(k)
+        redo = torch.zeros(B, T, dtype=torch.bool, device=k.device)  # rows to compute exactly
+        kb = _key_blocks(k, v, geo)
+        for blk in _blocks(geo):
             i0, i1, lo, hi = blk
-            ew, ek, mw, mk, _ = _block_factors(k, v, pad, wb, geo, blk)
-            out = torch.bmm(ew.expand(B, -1, -1), torch.cat([ek * v[:, lo:hi], ek], -1))
-            num, dn = out[..., :d], out[..., d:]
-            den[:, i0:i1] = dn
-            A[:, i0:i1] = num / dn
-            L[:, i0:i1] = torch.log(dn) + mw + mk
-        rows = (den < _tau(den.dtype)).any(-1).nonzero()
+            f = _factors(k, v, wb, geo, blk, kb)
+            out = torch.bmm(f.ew.expand(B, -1, -1), f.x)  # [num | den]
+            den[:, i0:i1] = dn = out[..., d:]
+            torch.div(out[..., :d], dn, out=A[:, i0:i1])
+            if L is not None:  # log(den) + m^w + m^K, the last sum in float64
+                torch.add(torch.log(dn).add_(f.mw), f.mk.double(), out=L[:, i0:i1])
+            if f.unsafe is not None:  # queries from an unsafe diagonal key on, per channel
+                kd, vd = k[:, i0:i1], v[:, i0:i1]
+                hit = _cumany(f.unsafe)  # a NaN or inf input they see (also in the shift):
+                bad = _cumany(torch.isnan(kd) | (kd == float("inf")) | ~torch.isfinite(vd))
+                bad |= ~torch.isfinite(f.mk)
+                A[:, i0:i1].masked_fill_(hit & bad, float("nan"))
+                redo[:, i0:i1] |= (hit & ~bad).any(-1)  # finite inputs, too large: exactly
+        # den < tau: the factorised shift m^w + m^K was far above max(K + w) (NaN: not taken)
+        rows = (redo | (den < _tau(den.dtype)).any(-1)).nonzero()
         if rows.numel():
-            _rescue_forward(k, v, pad, wb, geo, rows, L, A)
+            _rescue_forward(k, v, wb, geo, rows, L, A)
         ctx.geo = geo
-        ctx.save_for_backward(k, v, wb, pad, A, den, rows)
-        return L, A
+        ctx.save_for_backward(k, v, wb, A, den, rows)
+        return (k.new_zeros(0, dtype=torch.float64) if L is None else L), A
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, gL, gA):
-        k, v, wb, pad, A, den, rows = ctx.saved_tensors
+        k, v, wb, A, den, rows = ctx.saved_tensors
         geo = ctx.geo
-        with torch.autocast(k.device.type, enabled=False):
-            gL = torch.zeros_like(k) if gL is None else gL.contiguous()
-            gA = torch.zeros_like(k) if gA is None else gA.contiguous()
-            B, T, d = k.shape
-            R, S = gA / den, (gA * A - gL) / den
-            if rows.numel():  # rescued rows are handled exactly below, not by the fast path
-                R[rows[:, 0], rows[:, 1]] = 0.0
-                S[rows[:, 0], rows[:, 1]] = 0.0
-            dk, dv, dwb = torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(wb)
-            causal_full = geo.alpha == 0 and geo.causal
-            if causal_full:
-                _causal_backward(k, v, pad, wb, geo, R, S, dk, dv, dwb)
-            for blk in [] if causal_full else _blocks(geo):
-                i0, i1, lo, hi = blk
-                ew, ek, _, _, col = _block_factors(k, v, pad, wb, geo, blk)
-                rs = torch.cat([R[:, i0:i1], S[:, i0:i1]], -1)  # (B, nq, 2d)
-                y = torch.bmm(ew.t().expand(B, -1, -1), rs)  # (B, nk, 2d)
-                yr, ys = y[..., :d], y[..., d:]
-                vb = v[:, lo:hi]
-                dv[:, lo:hi] += ek * yr
-                dk[:, lo:hi] += ek * (vb * yr - ys)
-                left = torch.cat([R[:, i0:i1], -S[:, i0:i1]], -1)
-                left = left.transpose(0, 1).reshape(i1 - i0, -1)  # (nq, B * 2d)
-                right = torch.cat([ek * vb, ek], -1).transpose(0, 1).reshape(hi - lo, -1)
-                dbias = ew * (left @ right.t())
-                if col is None:
-                    dwb[i0:i1, lo:hi] += dbias
-                else:
-                    dwb[i0:i1].scatter_add_(1, col, dbias)
-            if rows.numel():
-                _rescue_backward(k, v, pad, wb, geo, rows, A, gA, gL, dk, dv, dwb)
-        return dk, dv, dwb, None, None
+        B, T, d = k.shape
+        gL = torch.zeros_like(k) if gL is None or gL.shape != k.shape else gL.to(k.dtype)
+        gA = torch.zeros_like(k) if gA is None else gA.to(k.dtype)
+        # outputs without upstream gradient contribute exactly 0 (not 0 * NaN from a NaN row)
+        quiet = (gA == 0) & (gL == 0)
+        R = (gA / den).masked_fill_(quiet, 0.0)
+        S = ((gA * A - gL) / den).masked_fill_(quiet, 0.0)
+        if rows.numel():  # rescued rows are handled exactly below, not by the fast path
+            R[rows[:, 0], rows[:, 1]] = 0.0
+            S[rows[:, 0], rows[:, 1]] = 0.0
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        dwb = torch.zeros(wb.shape, dtype=wb.dtype, device=wb.device)
+        kb = _key_blocks(k, v, geo)
+        for blk in _blocks(geo):
+            i0, i1, lo, hi = blk
+            rs = torch.cat([R[:, i0:i1], S[:, i0:i1]], -1)  # (B, nq, 2d)
+            if not bool(rs.any()):  # no gradient reaches the block: it adds exactly nothing
+                continue  # (and a NaN in its shift m^K cannot turn 0 into NaN)
+            f = _factors(k, v, wb, geo, blk, kb)
+            nq, nk = i1 - i0, hi - lo
+            y = torch.bmm(f.ew.t().expand(B, -1, -1), rs)  # (B, nk, 2d)
+            yr, ys = y[..., :d], y[..., d:]
+            ev, ek = f.x[..., :d], f.x[..., d:]
+            dv[:, lo:hi] += ek * yr
+            dk[:, lo:hi] += ev * yr - ek * ys
+            left = torch.cat([R[:, i0:i1], -S[:, i0:i1]], -1).transpose(0, 1)
+            right = f.x.transpose(0, 1)
+            g = f.ew * (left.reshape(nq, B * 2 * d) @ right.reshape(nk, B * 2 * d).t())
+            g = g.masked_fill(f.bias == float("-inf"), 0.0)  # unseen biases: exactly 0
+            if f.col is None:
+                dwb[i0:i1, lo:hi] += g
+            else:
+                dwb[i0:i1].scatter_add_(1, f.col, g)
+        if rows.numel():
+            _rescue_backward(k, v, wb, geo, rows, A, gA, gL, quiet, dk, dv, dwb)
+        return dk, dv, dwb, None, None, None
 
 
 def lse_average(
@@ -336,6 +392,8 @@ def lse_average(
     wb: torch.Tensor,
     geo: Geometry,
     padding_mask: torch.Tensor | None = None,
+    *,
+    with_log: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Position-biased log-sum-exp and softmax average over the keys each query sees.
 
@@ -344,19 +402,27 @@ def lse_average(
         L_t = log sum_t' exp(K_t' + w_{t,t'}),   A_t = sum_t' exp(K_t' + w_{t,t'} - L_t) V_t'
 
     with ``L = -inf`` and ``A = 0`` where a query sees no (unpadded) key. Differentiable in
-    ``k``, ``v`` and ``wb``.
+    ``k``, ``v`` and ``wb``. Causal: each output depends on the keys and values it sees only,
+    bit for bit (a NaN or inf at ``t'`` leaves every ``t < t'`` unchanged).
 
     Args:
         k, v: ``(B, T, d)``, same dtype (float32 or float64; callers upcast half precision).
         wb: ``(T, W)`` biases laid out as ``geo`` says.
         geo: the key geometry.
         padding_mask: optional bool ``(B, T)``, True for real keys.
+        with_log: False: ``L`` is not formed (an empty tensor is returned in its place).
 
     Returns:
-        ``(L, A)``, each ``(B, T, d)``.
+        ``(L, A)``, each ``(B, T, d)``; ``L`` in float64 (it reaches ``2 * finfo(float32).max``
+        for the largest float32 keys and biases), ``A`` in the dtype of ``k``.
     """
+    if k.numel() == 0:  # empty batch or channels: empty outputs, still connected to the graph
+        z = k * 0.0 + v * 0.0 + wb.sum() * 0.0
+        return z.double(), z
     with torch.autocast(k.device.type, enabled=False):
-        return _LSEAverage.apply(k.contiguous(), v.contiguous(), wb, padding_mask, geo)
+        return _LSEAverage.apply(
+            k.contiguous(), v.contiguous(), wb, padding_mask, geo, with_log
+        )
 
 
 # ----------------------------------------------------------------------------- public API
@@ -425,7 +491,8 @@ def aft_full(
     cd = compute_dtype(q.dtype)
     with torch.autocast(q.device.type, enabled=False):
         qc, kc, vc, wc = (x.to(cd) for x in (q, k, v, w))
-        _, A = lse_average(kc, vc, wc[:T, :T], Geometry(T, T, 0, 0, bool(causal)), padding_mask)
+        geo = Geometry(T, T, 0, 0, bool(causal))
+        _, A = lse_average(kc, vc, wc[:T, :T], geo, padding_mask, with_log=False)
         return (torch.sigmoid(qc) * A).to(q.dtype)
 
 
@@ -459,9 +526,10 @@ def biased_average_reference(
         m = s.amax(1, keepdim=True).detach()
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         e = torch.exp(s - m)
-        den = e.sum(1)
-        ok = den > 0
-        avg = torch.where(ok, (e * v).sum(1) / torch.where(ok, den, torch.ones_like(den)), 0.0)
+        den = e.sum(1)  # >= 1 if a key is seen; NaN if a NaN is seen (and then so is avg)
+        empty = den == 0
+        num = (e * v.masked_fill(~seen[:, :, None], 0.0)).sum(1)  # an unseen NaN never enters
+        avg = torch.where(empty, 0.0, num / torch.where(empty, 1.0, den))
         rows.append(torch.sigmoid(q[:, t]) * avg)
     return torch.stack(rows, 1)
 

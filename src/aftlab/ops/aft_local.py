@@ -19,6 +19,11 @@ They are combined with a per-``(t, c)`` maximum ``M = max_p L^p``::
 
     Y_t = sigma(Q_t) * sum_p exp(L^p_t - M_t) A^p_t / sum_p exp(L^p_t - M_t)
 
+in float64 for the ``L^p`` (the band's reaches ``2 * finfo(float32).max`` for the largest
+float32 keys and biases); a NaN input stays NaN. Causal, every part sees only ``t' <= t``
+(the band's blocks as causal AFT-full's, see :mod:`aftlab.ops.aft_full`), so an output never
+depends on a later input, bit for bit.
+
 This is the paper's "global sum plus local correction ``exp(w) - 1``" without its subtraction,
 which cancels catastrophically when a band key dominates and ``w`` is very negative. Time
 ``O(B T s d)``, memory ``O(B T d + T s)``. ``s = 0`` is AFT-simple; ``s >= T`` is AFT-full.
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import kernels
 from .._checks import check_compatible, check_positive_int, check_tensor
 from .aft_full import (
     Geometry,
@@ -103,6 +109,19 @@ def aft_local_band(
     T = q.shape[1]
     if T == 0:
         return q * 0.0  # empty, still connected to the graph
+    s = min(window, T)
+    if s > 0:
+        geo = band_geometry(T, window, causal=causal)
+        check_tensor(where, "w_band", w_band, shape=(T, geo.W), floating=True)
+        check_compatible(where, {"q": q, "w_band": w_band})
+    if kernels.enabled(q):
+        return kernels.band.local(q, k, v, w_band, window, causal=causal, padding_mask=padding_mask)
+    return _aft_local_torch(q, k, v, w_band, window, causal=causal, padding_mask=padding_mask)
+
+
+def _aft_local_torch(q, k, v, w_band, window: int, *, causal: bool, padding_mask):
+    """The pure-PyTorch implementation of :func:`aft_local_band` (inputs already validated)."""
+    T = q.shape[1]
     cd = compute_dtype(q.dtype)
     with torch.autocast(q.device.type, enabled=False):
         qc, kc, vc = (x.to(cd) for x in (q, k, v))
@@ -110,8 +129,6 @@ def aft_local_band(
         s = min(window, T)
         if s > 0:
             geo = band_geometry(T, window, causal=causal)
-            check_tensor(where, "w_band", w_band, shape=(T, geo.W), floating=True)
-            check_compatible(where, {"q": q, "w_band": w_band})
             parts.append(lse_average(kc, vc, w_band.to(cd), geo, padding_mask))
         if s < T:
             # keys t' <= t - s: prefix sums read at t - s
@@ -124,14 +141,18 @@ def aft_local_band(
         if len(parts) == 1:
             avg = parts[0][1]
         else:
-            M = torch.stack([L for L, _ in parts]).amax(0).detach()
-            M = torch.where(torch.isfinite(M), M, torch.zeros_like(M))
+            # log-sums in float64: the band's reaches 2 * finfo(float32).max for the largest
+            # float32 keys and biases. M = -inf (no key at all) -> 0; a NaN stays NaN.
+            M = parts[0][0].detach().double()
+            for L, _ in parts[1:]:
+                M = torch.maximum(M, L.detach())
+            M = M.masked_fill_(M == float("-inf"), 0.0)
             num = den = 0.0
             for L, A in parts:
-                e = torch.exp(L - M)
+                e = torch.exp((L - M).to(cd))  # L - M <= 0 (or NaN): exact enough in cd
                 num, den = num + e * A, den + e
-            ok = den > 0
-            avg = torch.where(ok, num / torch.where(ok, den, torch.ones_like(den)), 0.0)
+            empty = den == 0  # no key at all: 0; a NaN den (NaN input) stays NaN
+            avg = torch.where(empty, 0.0, num / torch.where(empty, 1.0, den))
         return (torch.sigmoid(qc) * avg).to(q.dtype)
 
 

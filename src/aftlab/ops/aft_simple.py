@@ -9,12 +9,17 @@ Non-causal: one sum over all ``t'`` (a single weighted average per sequence and 
 shared by every ``t``), shifted by the per-channel maximum key. Causal: ``t' <= t``, computed
 by :func:`aftlab.ops.scan.stable_prefix_average` (a running log-sum-exp; no maximum over
 future keys). Time and memory ``O(B T d)``.
+
+On CPU tensors the op runs the fused C++ kernel ``torch.ops.aftlab.simple_causal`` /
+``simple_global`` (one pass over T forward, one reverse pass backward; :mod:`aftlab.kernels`)
+when it is available, else the PyTorch implementation below; both compute the same formula.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .. import kernels
 from .._checks import check_compatible, check_padding_mask, check_tensor
 from .scan import stable_prefix_average
 
@@ -59,12 +64,21 @@ def aft_simple(
     """
     where = "aft_simple"
     _check_qkv(where, q, k, v, padding_mask)
+    if kernels.enabled(q):
+        return kernels._ops.aft_simple(q, k, v, causal=causal, padding_mask=padding_mask)
+    return _aft_simple_torch(q, k, v, causal=causal, padding_mask=padding_mask)
+
+
+def _aft_simple_torch(q, k, v, *, causal: bool, padding_mask):
+    """The pure-PyTorch implementation of :func:`aft_simple` (inputs already validated)."""
     out_dtype = q.dtype
     if out_dtype in _LOW:
         q, k, v = q.float(), k.float(), v.float()
     if causal:
         # A_t = sum_{t'<=t} exp(K_t' - L_t) V_t', L_t = log sum_{t'<=t} exp(K_t')
         _, A = stable_prefix_average(k, v, padding_mask=padding_mask)
+    elif k.shape[1] == 0:  # no position: nothing to average (and no maximum to take)
+        A = v
     else:
         if padding_mask is not None:
             k = k.masked_fill(~padding_mask[:, :, None], float("-inf"))
@@ -74,10 +88,15 @@ def aft_simple(
         e = torch.exp(k - m)  # padded keys: exp(-inf) = 0
         if padding_mask is not None:
             v = v.masked_fill(~padding_mask[:, :, None], 0.0)
-        num = (e * v).sum(1, keepdim=True)
-        den = e.sum(1, keepdim=True)
-        # den >= 1 whenever a key is valid; a row without one gets A = 0.
-        A = torch.where(den > 0, num / den.clamp_min(torch.finfo(den.dtype).tiny), 0.0)
+        # den >= 1 whenever a key is valid; a row without one has e = 0 and gets A = 0. The
+        # normalised weights e / den sum to 1, so no partial sum exceeds max |V| (unlike
+        # sum e V, which overflows for values near the largest float).
+        den = e.sum(1, keepdim=True).clamp_min(torch.finfo(e.dtype).tiny)
+        A = (e / den * v).sum(1, keepdim=True)
+        # The sum's rounding may leave [min V, max V] (to inf for values at the largest
+        # float): clamp to it (NaN passes; the bounds carry no gradient).
+        hi, lo = v.detach().amax(1, keepdim=True), v.detach().amin(1, keepdim=True)
+        A = torch.where(A > hi, hi, torch.where(A < lo, lo, A))
     return (torch.sigmoid(q) * A).to(out_dtype)
 
 

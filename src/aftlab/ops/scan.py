@@ -15,20 +15,29 @@ Keys where ``padding_mask`` is False contribute nothing; where no key contribute
 How it is computed (:func:`stable_prefix_average`, see docs/aft-scan.md): the recurrence
 
     L_t = logaddexp(L_{t-1} - lambda, k_t),   r_t = exp(k_t - L_t) in [0, 1]
-    A_t = A_{t-1} + r_t (v_t - A_{t-1}) = lerp(A_{t-1}, v_t, r_t)
+    A_t = (1 - r_t) A_{t-1} + r_t v_t
 
-(the carried weight ``exp(L_{t-1} - lambda - L_t) = 1 - r_t``), run chunk-wise: positions are
+(the carried weight ``exp(L_{t-1} - lambda - L_t) = 1 - r_t``; the convex form, evaluated as
+``A - r A + r v``, never forms ``v - A``, which overflows for values of opposite signs near
+the largest float), run chunk-wise: positions are
 split into chunks of ``C``; inside every chunk the recurrence runs from an empty state, one
 position at a time but vectorised across all chunks; the chunk summaries
 ``(L_end, A_end)`` form the same problem again with decay ``C * lambda`` (solved recursively);
 each chunk then merges its carry ``(L_c, A_c)`` (the previous chunk's end) with
 
     L_t = logaddexp(L_c - (j + 1) lambda, l_t)
-    A_t = lerp(a_t, A_c, exp(L_c - (j + 1) lambda - L_t))
+    A_t = (1 - g_t) a_t + g_t A_c,   g_t = exp(L_c - (j + 1) lambda - L_t)
 
 for the position ``j`` inside the chunk and the chunk-local ``(l_t, a_t)``. Only exponents of
 non-positive numbers are taken, no maximum over positions an output must not see is used, and
 ``lambda`` only appears multiplied by offsets inside a chunk (never ``t * lambda``).
+
+Range: exact for every finite key, value and decay. The empty state is ``L = -inf`` (a first
+key ``k`` gives ``L = k``, ``r = 1`` whatever its size); ``r`` and ``g`` are taken against
+``max(L, lowest)`` so that ``-inf - -inf`` never occurs; a decayed log-sum ``L - m lambda``
+(``m`` a chunk offset, up to ``T``) is formed as ``(L / 2^p - (m / 2^p) lambda) 2^p`` with
+``2^p >= m``, so that ``m lambda`` never overflows on its own (only a result below ``-max``
+becomes ``-inf``, its rounding).
 
 The backward pass (a custom :class:`torch.autograd.Function`) is one reverse gated scan of the
 same shape, ``P_t = z_t + (1 - r_{t+1}) P_{t+1}``, on two signals at once (see
@@ -103,25 +112,36 @@ def _chunk_size(T: int) -> int:
     return max(1, min(T, 16))
 
 
-def _neg(dtype: torch.dtype) -> float:
-    """The finite "empty" log-sum used internally instead of -inf (no inf - inf = NaN)."""
-    return -0.25 * torch.finfo(dtype).max
+def _weight(x: torch.Tensor, L: torch.Tensor, *, out: torch.Tensor | None = None):
+    """``exp(x - L)`` for ``x <= L``, 0 where both are ``-inf`` (no key: no NaN)."""
+    lowest = torch.finfo(L.dtype).min
+    return torch.sub(x, L.clamp_min(lowest), out=out).exp_()
+
+
+def _decayed(L: torch.Tensor, lam: torch.Tensor, mult, span: int) -> torch.Tensor:
+    """``L - mult * lambda`` for ``0 <= mult <= span`` (``span`` a power of two; ``mult`` a
+    number or a tensor broadcasting against ``lam``), as ``(L / span - (mult / span) lambda)
+    span``: exact scalings by powers of two, so no intermediate overflows."""
+    if span == 1:
+        return L - mult * lam
+    return torch.sub(L / span, (mult / span) * lam).mul_(span)
 
 
 # ---------------------------------------------------------------------------- forward
 def _scan_forward(
-    k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor | None
+    k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor | None, step: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked forward of the recurrence. k, v ``(B, T, d)`` in the compute dtype, lam ``(d,)``.
 
-    Returns ``(L, A)``, ``(B, T, d)``. ``L`` holds a large negative finite number (about
-    ``-finfo.max / 4``) instead of ``-inf`` where no key has been seen; ``A`` is 0 there.
+    The decay between neighbours is ``step * lam`` (``step`` a power of two: the chunk levels
+    of the recursion). Returns ``(L, A)``, ``(B, T, d)``; ``L = -inf`` and ``A = 0`` where no
+    key has been seen.
     """
     B, T, d = k.shape
     C = _chunk_size(T)
     nC = -(-T // C)
     Tp = nC * C
-    neg = _neg(k.dtype)
+    neg = float("-inf")
     if Tp != T:
         k = torch.nn.functional.pad(k, (0, 0, 0, Tp - T), value=float("-inf"))
         v = torch.nn.functional.pad(v, (0, 0, 0, Tp - T))
@@ -130,31 +150,32 @@ def _scan_forward(
     a = torch.empty_like(l)
     r = torch.empty(B, nC, d, dtype=k.dtype, device=k.device)
     # Chunk-local recurrence, vectorised over chunks: l_j = logaddexp(l_{j-1} - lambda, k_j),
-    # r_j = exp(k_j - l_j), a_j = lerp(a_{j-1}, v_j, r_j), from l_{-1} = "-inf", a_{-1} = 0.
+    # r_j = exp(k_j - l_j), a_j = a_{j-1} - r_j a_{j-1} + r_j v_j, from l_{-1} = -inf, a_{-1} = 0.
     l_prev = torch.full((B, nC, d), neg, dtype=k.dtype, device=k.device)
     a_prev = torch.zeros(B, nC, d, dtype=k.dtype, device=k.device)
     for j in range(C):
-        carried = l_prev if lam is None or j == 0 else l_prev - lam
-        lj = l[:, :, j]
+        carried = l_prev if lam is None or j == 0 else _decayed(l_prev, lam, step, step)
+        lj, aj = l[:, :, j], a[:, :, j]
         torch.logaddexp(carried, kc[:, :, j], out=lj)
-        torch.sub(kc[:, :, j], lj, out=r).exp_()
-        torch.lerp(a_prev, vc[:, :, j], r, out=a[:, :, j])
-        l_prev, a_prev = lj, a[:, :, j]
+        _weight(kc[:, :, j], lj, out=r)
+        torch.addcmul(a_prev, r, a_prev, value=-1.0, out=aj).addcmul_(r, vc[:, :, j])
+        l_prev, a_prev = lj, aj
     if nC > 1:
-        # Chunk summaries are the same problem with decay C * lambda; their exclusive prefix
-        # (L_c, A_c) is the carry each chunk starts from.
-        lam_c = None if lam is None else lam * C
-        Le, Ae = _scan_forward(l[:, :, C - 1].contiguous(), a[:, :, C - 1].contiguous(), lam_c)
+        # Chunk summaries are the same problem with decay C * step * lambda; their exclusive
+        # prefix (L_c, A_c) is the carry each chunk starts from.
+        Le, Ae = _scan_forward(
+            l[:, :, C - 1].contiguous(), a[:, :, C - 1].contiguous(), lam, step * C
+        )
         Lc = torch.cat([Le.new_full((B, 1, d), neg), Le[:, :-1]], 1)[:, :, None]
         Ac = torch.cat([Ae.new_zeros(B, 1, d), Ae[:, :-1]], 1)[:, :, None]
         if lam is None:
             X = Lc.expand(B, nC, C, d)
-        else:
-            offs = torch.arange(1, C + 1, dtype=k.dtype, device=k.device)[:, None] * lam
-            X = Lc - offs  # L_c - (j + 1) lambda, (B, nC, C, d)
+        else:  # L_c - (j + 1) step lambda, (B, nC, C, d)
+            offs = torch.arange(1, C + 1, dtype=k.dtype, device=k.device)[:, None] * step
+            X = _decayed(Lc, lam, offs, C * step)
         L = torch.logaddexp(X, l)
-        w = torch.sub(X, L, out=l).exp_()  # weight of the carry
-        A = torch.lerp(a, Ac.expand_as(a), w, out=a)
+        w = _weight(X, L, out=l)  # weight of the carry
+        A = a.addcmul_(w, a, value=-1.0).addcmul_(w, Ac)
         del w
     else:
         L, A = l, a
@@ -235,7 +256,7 @@ class _PrefixAverage(torch.autograd.Function):
     def backward(ctx, dL, dA):  # noqa: D102
         k, v, lam, L, A = ctx.saved_tensors
         B, T, d = k.shape
-        r = torch.sub(k, L).exp_()
+        r = _weight(k, L)
         p, C = _reverse_buffer(2, B, T, d, k)
         gn = torch.zeros(B, p.shape[2], d, dtype=k.dtype, device=k.device)
         torch.sub(1.0, r[:, 1:], out=gn[:, : T - 1])  # gn_t = g_{t+1} = 1 - r_{t+1}
@@ -270,10 +291,11 @@ def stable_prefix_average(
     A_t = sum_{t' <= t} exp(k_t' - (t - t') lambda - L_t) v_t'
 
     Args:
-        k: keys ``(B, T, d)``, floating point, finite (magnitudes far beyond ``exp``'s range are
-            fine; keys below about ``-finfo.max / 8`` are not supported).
-        v: values ``(B, T, d)``, same dtype and device as ``k``.
-        decay: per-channel ``lambda >= 0`` (finite), ``(d,)``; ``None`` for no decay.
+        k: keys ``(B, T, d)``, floating point; any finite magnitude (a key of ``-inf`` weighs
+            0).
+        v: values ``(B, T, d)``, same dtype and device as ``k``; any finite magnitude (``A``
+            stays within the seen values' range).
+        decay: per-channel ``lambda >= 0`` (finite, any size), ``(d,)``; ``None`` for no decay.
             Differentiable.
         reverse: sum over ``t' >= t`` (with ``(t' - t) lambda``) instead.
         padding_mask: bool ``(B, T)``, True for real tokens; False keys contribute nothing.
@@ -316,9 +338,6 @@ def stable_prefix_average(
         kk = kk.masked_fill(~keep, float("-inf"))
         vv = vv.masked_fill(~keep, 0.0)
     L, A = _PrefixAverage.apply(kk.contiguous(), vv.contiguous(), lam)
-    if mask is not None:
-        seen = (mask.cumsum(1) > 0)[:, :, None]
-        L = L.masked_fill(~seen, float("-inf"))
     if reverse:
         L, A = L.flip(1), A.flip(1)
     return L.to(out_dtype), A.to(out_dtype)

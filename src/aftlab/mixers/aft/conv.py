@@ -127,9 +127,19 @@ class AFTConvMixer(AFTMixer):
             w.to(dt),
         )
 
-    def forward(self, x: torch.Tensor, *, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``x: (B, T, d_model)`` -> ``(B, T, d_model)``; ``padding_mask: (B, T)``, True = real."""
-        x, padding_mask = self._check_input(x, padding_mask)
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        padding_mask: torch.Tensor | None = None,
+        return_state: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, AFTConvState]:
+        """``x: (B, T, d_model)`` -> ``(B, T, d_model)``; ``padding_mask: (B, T)``, True = real.
+
+        ``return_state=True`` (causal) also returns the state after the ``T`` tokens, from this
+        pass's keys and values: see :meth:`_state_after`.
+        """
+        x, padding_mask = self._check_input(x, padding_mask, return_state=return_state)
         B, T, d = x.shape
         q, k, v, w = self._heads(*self.project(x))
         if self.grid is None:
@@ -146,7 +156,31 @@ class AFTConvMixer(AFTMixer):
             y = aft_conv2d(
                 *(t.reshape(B, H, W, *t.shape[2:]) for t in (q, k, v)), w, padding_mask=grid_mask
             )
-        return self.output(y.reshape(B, T, d).to(x.dtype), padding_mask)
+        out = self.output(y.reshape(B, T, d).to(x.dtype), padding_mask)
+        return (out, self._state_after(k[..., 0], v, x.dtype)) if return_state else out
+
+    def _state_after(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> AFTConvState:
+        """The decoding state after a prompt's keys ``k (B, T, h)`` and values ``v (B, T, h, c)``.
+
+        ``dtype`` is the model's (as in :meth:`init_state`). The ring buffers hold tokens
+        ``max(0, T - s) .. T - 1`` (slot ``t' mod s``); over the tokens ``t' < T - s`` that left
+        the footprint, ``L = logsumexp_t' K_t'`` and ``A = sum_t' e^{K_t' - L} V_t'``, reduced
+        in one pass.
+        """
+        B, T, _ = k.shape
+        s = self.kernel_size
+        state = self.init_state(B, device=k.device, dtype=dtype)
+        cdt = state.v_buf.dtype
+        k, v = k.to(torch.float64), v.to(cdt)
+        gone = max(0, T - s)
+        if gone:
+            state.log_sum = torch.logsumexp(k[:, :gone], dim=1)
+            weight = torch.exp(k[:, :gone] - state.log_sum[:, None]).to(cdt)
+            state.avg = (weight[..., None] * v[:, :gone]).sum(1)
+        kept = torch.arange(gone, T, device=k.device)
+        state.k_buf[:, kept % s], state.v_buf[:, kept % s] = k[:, gone:], v[:, gone:]
+        state.pos = T
+        return state
 
     # ----------------------------------------------------------------- decoding
     def init_state(

@@ -19,7 +19,7 @@ from torch import nn
 from ..._checks import check_positive_int
 from ...ops.aft_decay import aft_decay
 from ..registry import register_mixer
-from .common import AFTMixer, RunningSums
+from .common import AFTMixer, RunningSums, state_dtype
 
 __all__ = ["AFTDecay", "AFTDecayState"]
 
@@ -102,12 +102,30 @@ class AFTDecay(AFTMixer):
         """
         return torch.exp(self.time_decay.clamp(max=30.0))
 
-    def forward(self, x: torch.Tensor, *, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``dropout(W^O aft_decay(X W^Q, X W^K, X W^V, lambda, u))``, ``(B, T, d)`` -> same."""
-        x, padding_mask = self._check_input(x, padding_mask)
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        padding_mask: torch.Tensor | None = None,
+        return_state: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, AFTDecayState]:
+        """``dropout(W^O aft_decay(X W^Q, X W^K, X W^V, lambda, u))``, ``(B, T, d)`` -> same.
+
+        ``return_state=True`` also returns the state after the ``T`` tokens, reduced from this
+        pass's keys and values with ``z_t' = K_t' - (T-1-t') lambda``: ``p = max_t' z_t'``,
+        ``a = sum_t' e^{z_t' - p} V_t'``, ``b = sum_t' e^{z_t' - p}``.
+        """
+        x, padding_mask = self._check_input(x, padding_mask, return_state=return_state)
         q, k, v = self.project(x)
-        y = aft_decay(q, k, v, self.decay(), self.time_bonus, padding_mask=padding_mask)
-        return self.output(y, padding_mask)
+        lam = self.decay()
+        y = aft_decay(q, k, v, lam, self.time_bonus, padding_mask=padding_mask)
+        out = self.output(y, padding_mask)
+        if not return_state:
+            return out
+        sdt = state_dtype(x.dtype)
+        age = torch.arange(x.shape[1] - 1, -1, -1, device=x.device, dtype=sdt)  # T-1-t'
+        z = k.to(sdt) - age[:, None] * lam.to(sdt)
+        return out, RunningSums.from_tokens(z, v.to(sdt))
 
     def init_state(
         self,

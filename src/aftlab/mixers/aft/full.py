@@ -91,13 +91,30 @@ class AFTFull(AFTMixer):
             check_positive_int(where, "bias_rank", bias_rank)
         self.pos_bias = PositionBias(T_max, rank=bias_rank)
 
-    def forward(self, x: torch.Tensor, *, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``x: (B, T, d_model)`` with ``T <= T_max`` -> ``(B, T, d_model)``."""
-        x, padding_mask = self._check_input(x, padding_mask)
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        padding_mask: torch.Tensor | None = None,
+        return_state: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, AFTFullState]:
+        """``x: (B, T, d_model)`` with ``T <= T_max`` -> ``(B, T, d_model)``.
+
+        ``return_state=True`` (causal) also returns the state after the ``T`` tokens: this
+        pass's keys and values in slots ``[0, T)``.
+        """
+        x, padding_mask = self._check_input(x, padding_mask, return_state=return_state)
         q, k, v = self.project(x)
         q, k, v, w = self.match_dtypes(q, k, v, self.pos_bias.matrix(x.shape[1]))
         y = aft_full(q, k, v, w, causal=self.causal, padding_mask=padding_mask)
-        return self.output(y, padding_mask)
+        out = self.output(y, padding_mask)
+        if not return_state:
+            return out
+        state = self.init_state(x.shape[0], device=x.device, dtype=x.dtype)
+        T = x.shape[1]
+        state.k[:, :T], state.v[:, :T] = k, v  # cast to the state's dtype, as step() does
+        state.t = T
+        return out, state
 
     def init_state(
         self,

@@ -10,7 +10,7 @@ from ..._checks import check_positive_int
 from ...ops.aft_full import compute_dtype
 from ...ops.aft_local import aft_local_band, band_geometry
 from ..registry import register_mixer
-from .common import AFTMixer
+from .common import AFTMixer, shifted_sums
 from .full import PositionBias, require_max_seq_len
 
 __all__ = ["AFTLocal", "AFTLocalState"]
@@ -70,18 +70,36 @@ class AFTLocal(AFTMixer):
         inside = (cols >= 0) & (cols < T)
         cols = cols.clamp(0, T - 1)
         if pb.rank is None:
-            band = pb.w[:T, :T].gather(1, cols)
+            band = pb.w[:T, :T].gather(1, cols)  # backward: scatter_add_ by row, deterministic
         else:
+            # w_band[t, j] = u_t . v_{t + j - beta}: row t's keys are the window vp[t : t + W]
+            # of v padded with zeros. unfold, not v[cols]: the backward of an advanced index is
+            # index_put_(accumulate=True), whose CPU result depends on thread scheduling.
+            vp = torch.nn.functional.pad(pb.v[:T], (0, 0, geo.beta, geo.W - 1 - geo.beta))
             rows = max(1, _BAND_CHUNK // (geo.W * pb.rank))
             band = torch.cat([
-                torch.einsum("tr,twr->tw", pb.u[i : min(T, i + rows)], pb.v[cols[i : i + rows]])
+                torch.einsum(
+                    "tr,trw->tw",
+                    pb.u[i : min(T, i + rows)],
+                    vp[i : min(T, i + rows) + geo.W - 1].unfold(0, geo.W, 1),
+                )
                 for i in range(0, T, rows)
             ])
         return band.masked_fill(~inside, 0.0)
 
-    def forward(self, x: torch.Tensor, *, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``x: (B, T, d_model)`` with ``T <= T_max`` -> ``(B, T, d_model)``."""
-        x, padding_mask = self._check_input(x, padding_mask)
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        padding_mask: torch.Tensor | None = None,
+        return_state: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, AFTLocalState]:
+        """``x: (B, T, d_model)`` with ``T <= T_max`` -> ``(B, T, d_model)``.
+
+        ``return_state=True`` (causal) also returns the state after the ``T`` tokens, from this
+        pass's keys and values: see :meth:`_state_after`.
+        """
+        x, padding_mask = self._check_input(x, padding_mask, return_state=return_state)
         q, k, v = self.project(x)
         T = x.shape[1]
         w_band = self.band(T) if self.window > 0 and T > 0 else q.new_zeros(T, 1)
@@ -89,7 +107,28 @@ class AFTLocal(AFTMixer):
         y = aft_local_band(
             q, k, v, w_band, self.window, causal=self.causal, padding_mask=padding_mask
         )
-        return self.output(y, padding_mask)
+        out = self.output(y, padding_mask)
+        return (out, self._state_after(k, v)) if return_state else out
+
+    def _state_after(self, k: torch.Tensor, v: torch.Tensor) -> AFTLocalState:
+        """The decoding state after the keys and values ``k, v: (B, T, d)`` of a whole prompt.
+
+        With ``s = min(window, T_max)``: the ring buffer holds keys and values
+        ``max(0, T - s) .. T - 1`` (slot ``t' mod s``), and ``m, num, den`` are
+        :func:`~aftlab.mixers.aft.common.shifted_sums` over the keys ``t' < T - s`` that left
+        the window, reduced in one pass.
+        """
+        B, T, _ = k.shape
+        state = self.init_state(B, device=k.device, dtype=k.dtype)
+        cd, s = state.num.dtype, state.k.shape[1]
+        k, v = k.to(cd), v.to(cd)
+        gone = max(0, T - s)
+        state.m, state.num, state.den = shifted_sums(k[:, :gone], v[:, :gone])
+        if s:
+            kept = torch.arange(gone, T, device=k.device)
+            state.k[:, kept % s], state.v[:, kept % s] = k[:, gone:], v[:, gone:]
+        state.t = T
+        return state
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", window={self.window}"

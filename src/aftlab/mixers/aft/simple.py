@@ -12,7 +12,7 @@ import torch
 
 from ...ops.aft_simple import aft_simple
 from ..registry import register_mixer
-from .common import AFTMixer, RunningSums
+from .common import AFTMixer, RunningSums, state_dtype
 
 __all__ = ["AFTSimple", "AFTSimpleState"]
 
@@ -52,12 +52,27 @@ class AFTSimple(AFTMixer):
             d_model=d_model, n_heads=n_heads, causal=causal, dropout=dropout, bias=bias
         )
 
-    def forward(self, x: torch.Tensor, *, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``dropout(W^O aft_simple(X W^Q, X W^K, X W^V))``; ``x: (B, T, d)`` -> ``(B, T, d)``."""
-        x, padding_mask = self._check_input(x, padding_mask)
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        padding_mask: torch.Tensor | None = None,
+        return_state: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, AFTSimpleState]:
+        """``dropout(W^O aft_simple(X W^Q, X W^K, X W^V))``; ``x: (B, T, d)`` -> ``(B, T, d)``.
+
+        ``return_state=True`` (causal) also returns the state after the ``T`` tokens, reduced
+        from this pass's keys and values: ``p = max_t' K_t'``, ``a = sum_t' e^{K_t' - p} V_t'``,
+        ``b = sum_t' e^{K_t' - p}``.
+        """
+        x, padding_mask = self._check_input(x, padding_mask, return_state=return_state)
         q, k, v = self.project(x)
         y = aft_simple(q, k, v, causal=self.causal, padding_mask=padding_mask)
-        return self.output(y, padding_mask)
+        out = self.output(y, padding_mask)
+        if not return_state:
+            return out
+        sdt = state_dtype(x.dtype)
+        return out, RunningSums.from_tokens(k.to(sdt), v.to(sdt))
 
     def init_state(
         self,

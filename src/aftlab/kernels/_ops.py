@@ -1,0 +1,131 @@
+"""Fake (meta) implementations and autograd of the ``aftlab::`` kernels, and their callers.
+
+The ops themselves are defined and implemented in C++ (``csrc/*.cpp``); :func:`register`
+runs once, after the library is loaded. Callers convert float16/bfloat16 to float32 (the
+kernels run float32 and float64) and ask the kernel to save what the backward needs only when
+a gradient will be taken.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def _empty_or_like(x: torch.Tensor, save: bool) -> torch.Tensor:
+    return torch.empty_like(x) if save else x.new_empty(0)
+
+
+def register() -> None:
+    """Register fake implementations and autograd for every ``aftlab::`` op (once)."""
+    lib = "aftlab::"
+
+    @torch.library.register_fake(lib + "simple_causal")
+    def _(q, k, v, mask, save):
+        return torch.empty_like(q), _empty_or_like(q, save)
+
+    @torch.library.register_fake(lib + "simple_causal_backward")
+    def _(gy, q, v, y, r):
+        return torch.empty_like(q), torch.empty_like(q), torch.empty_like(q)
+
+    @torch.library.register_fake(lib + "simple_global")
+    def _(q, k, v, mask):
+        return torch.empty_like(q), q.new_empty(3, q.shape[0], q.shape[2])
+
+    @torch.library.register_fake(lib + "simple_global_backward")
+    def _(gy, q, k, v, stats, mask):
+        return torch.empty_like(q), torch.empty_like(q), torch.empty_like(q)
+
+    @torch.library.register_fake(lib + "decay")
+    def _(q, k, v, decay, bonus, mask, save):
+        return torch.empty_like(q), _empty_or_like(q, save), _empty_or_like(q, save)
+
+    @torch.library.register_fake(lib + "decay_backward")
+    def _(gy, q, v, y, r, w):
+        d = q.shape[2]
+        like = torch.empty_like(q)
+        return like, torch.empty_like(q), torch.empty_like(q), q.new_empty(d), q.new_empty(d)
+
+    def setup_simple_causal(ctx, inputs, output):
+        q, _, v, _, _ = inputs
+        ctx.save_for_backward(q, v, output[0], output[1])
+
+    def backward_simple_causal(ctx, gy, _gr):
+        q, v, y, r = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aftlab.simple_causal_backward(gy, q, v, y, r)
+        return dq, dk, dv, None, None
+
+    def setup_simple_global(ctx, inputs, output):
+        q, k, v, mask = inputs
+        ctx.save_for_backward(q, k, v, output[1], mask)
+
+    def backward_simple_global(ctx, gy, _gstats):
+        q, k, v, stats, mask = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aftlab.simple_global_backward(gy, q, k, v, stats, mask)
+        return dq, dk, dv, None
+
+    def setup_decay(ctx, inputs, output):
+        q, _, v, _, _, _, _ = inputs
+        ctx.save_for_backward(q, v, output[0], output[1], output[2])
+
+    def backward_decay(ctx, gy, _gr, _gw):
+        q, v, y, r, w = ctx.saved_tensors
+        dq, dk, dv, dlam, du = torch.ops.aftlab.decay_backward(gy, q, v, y, r, w)
+        return dq, dk, dv, dlam, du, None, None
+
+    torch.library.register_autograd(
+        lib + "simple_causal", backward_simple_causal, setup_context=setup_simple_causal
+    )
+    torch.library.register_autograd(
+        lib + "simple_global", backward_simple_global, setup_context=setup_simple_global
+    )
+    torch.library.register_autograd(lib + "decay", backward_decay, setup_context=setup_decay)
+
+    @torch.library.register_fake(lib + "band")
+    def _(q, k, v, w, lo, hi, causal, mask, save):
+        stats = k.shape if save else (0,)
+        return torch.empty_like(q), k.new_empty(stats, dtype=torch.float64), k.new_empty(stats)
+
+    @torch.library.register_fake(lib + "band_backward")
+    def _(gy, q, k, v, w, y, mx, iv, lo, hi, causal, mask):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(w)
+
+    def setup_band(ctx, inputs, output):
+        q, k, v, w, ctx.lo, ctx.hi, ctx.causal, mask, _ = inputs
+        ctx.save_for_backward(q, k, v, w, output[0], output[1], output[2], mask)
+
+    def backward_band(ctx, gy, _gmx, _giv):
+        q, k, v, w, y, mx, iv, mask = ctx.saved_tensors
+        dq, dk, dv, dw = torch.ops.aftlab.band_backward(
+            gy, q, k, v, w, y, mx, iv, ctx.lo, ctx.hi, ctx.causal, mask
+        )
+        return dq, dk, dv, dw, None, None, None, None, None
+
+    torch.library.register_autograd(lib + "band", backward_band, setup_context=setup_band)
+
+
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def aft_simple(q, k, v, *, causal: bool, padding_mask):
+    """Kernel of :func:`aftlab.ops.aft_simple` (inputs already validated)."""
+    out_dtype = q.dtype
+    if out_dtype in _LOW:
+        q, k, v = q.float(), k.float(), v.float()
+    if causal:
+        y, _ = torch.ops.aftlab.simple_causal(q, k, v, padding_mask, _needs_grad(q, k, v))
+    else:
+        y, _ = torch.ops.aftlab.simple_global(q, k, v, padding_mask)
+    return y.to(out_dtype)
+
+
+def aft_decay(q, k, v, decay, bonus, *, padding_mask):
+    """Kernel of :func:`aftlab.ops.aft_decay` (inputs already validated)."""
+    out_dtype = q.dtype
+    cdt = torch.float32 if out_dtype in _LOW else out_dtype
+    q, k, v, decay, bonus = (t.to(cdt) for t in (q, k, v, decay, bonus))
+    save = _needs_grad(q, k, v, decay, bonus)
+    y, _, _ = torch.ops.aftlab.decay(q, k, v, decay, bonus, padding_mask, save)
+    return y.to(out_dtype)

@@ -1,0 +1,112 @@
+"""Callers of the fused band kernel (``aftlab::band``, ``csrc/band.cpp``): aft-local, aft-conv 1-D.
+
+One kernel serves both: keys inside the band ``t - lo <= t' <= t + hi`` get the bias
+``w[tb(t), g, t' - t + lo]``, keys outside it bias 0 (their prefix and, non-causal, suffix
+sums are folded in the same pass)::
+
+    y_t = sigma(q_t) * sum_t' exp(k_t' + w'_{t,t'}) v_t' / sum_t' exp(k_t' + w'_{t,t'})
+
+* aft-local: ``w (T, 1, W)`` (a bias row per query, shared by the channels), ``lo = s - 1``,
+  ``hi = s - 1`` (``0`` causal);
+* aft-conv: ``w (1, h, s)`` (one Toeplitz kernel per head), ``lo = hi = s // 2``
+  (causal: ``lo = s - 1, hi = 0``); keys with one channel per head are read once per head.
+
+The library must be loaded (:func:`aftlab.kernels.load`); inputs are validated by the public
+ops. float16/bfloat16 are computed in float32 and returned in their dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["local", "conv1d"]
+
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def _band(q, k, v, w, lo: int, hi: int, causal: bool, padding_mask):
+    """``q, v (B, T, D)``, ``k (B, T, D or G)``, ``w (1 or T, G, lo + hi + 1)``."""
+    out_dtype = q.dtype
+    if out_dtype in _LOW:
+        q, k, v = q.float(), k.float(), v.float()
+    save = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, w))
+    y, _, _ = torch.ops.aftlab.band(q, k, v, w, lo, hi, causal, padding_mask, save)
+    return y.to(out_dtype)
+
+
+def local(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    w_band: torch.Tensor,
+    window: int,
+    *,
+    causal: bool = False,
+    padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Kernel of :func:`aftlab.ops.aft_local.aft_local_band` (same arguments and result).
+
+    Args:
+        q, k, v: ``(B, T, d)``.
+        w_band: ``(T, W)``, ``w_band[t, j] = w_{t, t + j - (s - 1)}``, ``s = min(window, T)``,
+            ``W = 2s - 1`` (``s`` causal). Ignored when ``window == 0`` (AFT-simple).
+        window: ``s >= 0``: the band is ``|t - t'| < s``.
+        causal: restrict to ``t' <= t``.
+        padding_mask: optional bool ``(B, T)``, True for real tokens.
+
+    Returns:
+        ``(B, T, d)`` in the dtype of ``q``.
+    """
+    T = q.shape[1]
+    if T == 0:
+        return q * 0.0
+    s = min(window, T)
+    if s == 0:  # AFT-simple: a band of the query itself with bias 0
+        w, lo, hi = q.new_zeros(1, 1, 1), 0, 0
+    else:
+        w, lo, hi = w_band[:, None, :], s - 1, (0 if causal else s - 1)
+    return _band(q, k, v, w, lo, hi, bool(causal), padding_mask)
+
+
+def conv1d(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    w: torch.Tensor,
+    *,
+    causal: bool = False,
+    padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Kernel of :func:`aftlab.ops.aft_conv.aft_conv` (same arguments and result).
+
+    Args:
+        q, v: ``(B, T, h, c)``.
+        k: ``(B, T, h, 1)`` (one key per head) or ``(B, T, h, c)``.
+        w: ``(h, s)``; non-causal: odd ``s``, ``w[:, j]`` acts on ``t' = t + j - s // 2``;
+            causal: ``w[:, j]`` acts on ``t' = t + j - (s - 1)``.
+        causal: restrict to ``t' <= t``.
+        padding_mask: optional bool ``(B, T)``, True for real tokens.
+
+    Returns:
+        ``(B, T, h, c)`` in the dtype of ``q``.
+    """
+    B, T, h, c = q.shape
+    s = w.shape[-1]
+    if not causal and s % 2 == 0:
+        raise ValueError(
+            f"conv1d: a non-causal kernel must have odd size, got 'w' {tuple(w.shape)}"
+        )
+    if T == 0:
+        return torch.sigmoid(q) * v
+    lo, hi = (s - 1, 0) if causal else (s // 2, s // 2)
+    y = _band(
+        q.reshape(B, T, h * c),
+        k.reshape(B, T, h * k.shape[-1]),
+        v.reshape(B, T, h * c),
+        w[None],
+        lo,
+        hi,
+        bool(causal),
+        padding_mask,
+    )
+    return y.view(B, T, h, c)

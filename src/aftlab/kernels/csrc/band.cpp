@@ -1,0 +1,602 @@
+// The band kernels behind aft-local and (1-D) aft-conv, forward and backward.
+//
+//   y_t = sigma(q_t) sum_t' exp(k_t' + w'_{t,t'}) v_t' / sum_t' exp(k_t' + w'_{t,t'})
+//
+// with w'_{t,t'} = w[tb(t), g, t' - t + lo] inside the band t - lo <= t' <= t + hi and 0 outside
+// it (global connectivity kept; causal: t' <= t, hi = 0). tb(t) = t for aft-local (a bias row
+// per query), 0 for aft-conv (a Toeplitz kernel); g is the channel group (aft-conv's head).
+//
+// Layout: q, v, y (B, T, D) with D = G C; k (B, T, DK): one key per channel (DK = D) or one
+// per group broadcast over its C channels (DK = G, "BC"); w (Tb, G, W), W = lo + hi + 1, in
+// float64. Work is split over (batch, group, block of channels) with at::parallel_for.
+//
+// Numerics: keys, biases and maxima ("log domain") are float64, so k + w neither overflows nor
+// rounds at |k|, |w| near float32's maximum; each exponential is of a non-positive float64
+// number, evaluated in the value type. Per query and channel the shift M_t is the maximum of
+// the visible band exponents k + w, the largest key of the prefix t' < t - lo and the largest key
+// of the suffix t' > t + hi, so every exponent is <= 0 and one term is exactly 1 (den >= 1).
+// Values enter the sums times the exact power of two sc = 2^-e, 2^e >= T + 1 (value_scale), so
+// a sum of at most T weights <= 1 never overflows, and outputs are scaled back; the average is
+// clamped to +-vm, the largest scaled |v| the query sees (causal: keys t' <= t; non-causal: all
+// keys), which removes only the rounding that would push a mean of values near the largest
+// float to inf (as in scan.cpp; docs/kernels.md, "Numerical range").
+//
+// Forward, per task: (non-causal) a reverse pass stores the suffix state (max, den, num) of the
+// keys t' > t + hi at t (in the buffers of M, 1/den and y, overwritten by the next pass); then
+// one pass forward folds key t - lo - 1 into the prefix state, reads the band keys straight
+// from k, v (in cache) and writes y_t. Saved for the backward: M_t and 1/den_t (B, T, DK), so
+// P_{t,t'} = exp(k_t' + w'_{t,t'} - M_t) / den_t.
+//
+// Backward (dO = g sigma(q), E_t = sum_{c of the key} g y = dO . O):
+//   dv_t' = sum_t P_{t,t'} dO_t,  dk_t' = sum_c v_t' dv_t' - sum_t P_{t,t'} E_t,
+//   dw_j  = sum_{(t, t') at j} P_{t,t'} (dO_t . v_t' - E_t),  dq = g y (1 - sigma(q)).
+// Per key t' the queries outside its band are a suffix t >= t' + lo + 1 (and, non-causal, a
+// prefix t <= t' - hi - 1) of queries: stable scans with keys -M_t and values dO_t / den_t,
+// E_t / den_t (exp(k_t' - M_t) <= 1 for every query that sees t'). One reverse pass over keys
+// keeps the band's queries (dO, E, M, 1/den) in a ring of W rows; non-causal, a forward pass
+// first writes the query-prefix part into dk, dv. dw is accumulated per task into its own
+// float64 buffer and the buffers are summed in task order: deterministic, no atomics.
+// A query with no upstream gradient in a key's channels (g = 0; dO = E = 0 by a select) is left
+// out of the scans, and in the ring its shift is +inf and 1/den 0, so P = 0 exactly for finite
+// keys; a ring row with no gradient in any channel is skipped. Causal, gradients from the
+// outputs before p are then bit for bit independent of the inputs at p (NaN, inf included).
+// The backward is not value-scaled: finite wherever its sums (e.g. sum_t P |g y|) stay below
+// the largest float.
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "aft_math.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace aftlab {
+namespace {
+
+constexpr int64_t CB = 256;  // most channels per task
+constexpr double NEG_INF = -std::numeric_limits<double>::infinity();
+
+// exp of a non-positive log-domain (float64) number, evaluated in the value type T.
+template <typename T>
+inline T expd(double x) {
+  return exp_nonpos(static_cast<T>(x));
+}
+
+struct Geo {
+  int64_t B, T, D, DK, G, C, Tb, W, lo, hi;
+  bool causal;
+  int64_t cbs, nsub;  // channels per task, tasks per (batch, group)
+  int64_t tasks() const { return B * G * nsub; }
+};
+
+struct Task {
+  int64_t id, b, g, c0, cn, k0, nk;  // value channels [c0, c0 + cn), key channels [k0, k0 + nk)
+};
+
+template <bool BC>
+Task task_of(const Geo& geo, int64_t i) {
+  Task tk;
+  tk.id = i;
+  tk.b = i / (geo.G * geo.nsub);
+  const int64_t r = i % (geo.G * geo.nsub);
+  tk.g = r / geo.nsub;
+  const int64_t sub = r % geo.nsub;
+  tk.c0 = tk.g * geo.C + sub * geo.cbs;
+  tk.cn = std::min(geo.cbs, geo.C - sub * geo.cbs);
+  tk.k0 = BC ? tk.g : tk.c0;
+  tk.nk = BC ? 1 : tk.cn;
+  return tk;
+}
+
+// Fold key row k (value row v, summed times sc) into the stable state (m, s, n): with
+// e = exp(-|k - m|), either k is the new maximum (old sums scale by e, new weight 1) or not (old
+// sums kept, weight e).
+template <typename T, bool BC>
+inline void fold(const T* k, const T* v, T sc, int64_t nk, int64_t cn, double* m, T* s, T* n,
+                 T* a, T* w) {
+  #pragma omp simd
+  for (int64_t i = 0; i < nk; ++i) {
+    const double dk = static_cast<double>(k[i]) - m[i];
+    const T e = expd<T>(-std::abs(dk));
+    const bool up = dk > 0;
+    a[i] = up ? e : T(1);
+    w[i] = up ? T(1) : e;
+    s[i] = s[i] * a[i] + w[i];
+    m[i] = up ? static_cast<double>(k[i]) : m[i];
+  }
+  #pragma omp simd
+  for (int64_t c = 0; c < cn; ++c) n[c] = n[c] * a[BC ? 0 : c] + w[BC ? 0 : c] * (v[c] * sc);
+}
+
+// vm = max(vm, |v| sc) per channel: the bound of the clamp (a NaN v leaves vm; its output is NaN).
+template <typename T>
+inline void vmax(T* vm, const T* v, T sc, int64_t cn) {
+  #pragma omp simd
+  for (int64_t c = 0; c < cn; ++c) vm[c] = std::max(vm[c], std::abs(v[c] * sc));
+}
+
+// y = sigma(q) 2^e clamp(num / den, +-vm): the scaled average back to the values' range.
+template <typename T>
+inline T output(T q, T avg, T vm, T unsc) {
+  return sigmoid(q) * (unsc * clamp_abs(avg, vm));
+}
+
+constexpr int VL = 16;  // channels kept in registers by the blocked inner loops
+
+// One key per group: y = sigma(q) (np ap + ns as + sum_r e_r v_r sc) inv / sc on channels
+// [0, L) (np, ns: scaled sums), the average clamped to +-vm.
+template <typename T, int L>
+inline void values_block(const T* V, int64_t S, const int64_t* rows, const T* e, int64_t nr,
+                         const T* np, T ap, const T* ns, T as, T inv, T sc, const T* vm,
+                         const T* q, T* y) {
+  T num[L];
+  #pragma omp simd
+  for (int l = 0; l < L; ++l) num[l] = np[l] * ap + (ns ? ns[l] * as : T(0));
+  for (int64_t r = 0; r < nr; ++r) {
+    const T* vr = V + rows[r] * S;
+    const T er = e[r];
+    #pragma omp simd
+    for (int l = 0; l < L; ++l) num[l] += er * (vr[l] * sc);
+  }
+  const T unsc = T(1) / sc;
+  #pragma omp simd
+  for (int l = 0; l < L; ++l) y[l] = output(q[l], num[l] * inv, vm[l], unsc);
+}
+
+// ------------------------------------------------------------------ forward
+template <typename T, bool BC>
+void band_fwd(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V,
+              const double* __restrict__ Wb, const bool* __restrict__ Mk, T* __restrict__ Y,
+              double* __restrict__ MX, T* __restrict__ IV, bool save, const Geo& geo) {
+  const int64_t Tn = geo.T, lo = geo.lo, hi = geo.hi;
+  const T sc = value_scale<T>(Tn), unsc = T(1) / sc;
+  at::parallel_for(0, geo.tasks(), 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const Task tk = task_of<BC>(geo, i);
+      const int64_t nk = tk.nk, cn = tk.cn;
+      std::vector<double> m(nk), M(nk);
+      std::vector<T> s(nk), a(nk), w(nk), den(nk), n(cn), num(cn), vm(cn, T(0));
+      auto kx = [&](int64_t t) { return (tk.b * Tn + t) * geo.DK + tk.k0; };
+      auto vx = [&](int64_t t) { return (tk.b * Tn + t) * geo.D + tk.c0; };
+      auto valid = [&](int64_t t) { return Mk == nullptr || Mk[tk.b * Tn + t]; };
+      auto reset = [&] {
+        std::fill(m.begin(), m.end(), NEG_INF);
+        std::fill(s.begin(), s.end(), T(0));
+        std::fill(n.begin(), n.end(), T(0));
+      };
+      if (!geo.causal) {  // suffix state of the keys t' > t + hi, kept at t in (MX, IV, Y)
+        reset();
+        for (int64_t t = Tn - 1; t >= 0; --t) {
+          const int64_t tn = t + hi + 1;
+          if (tn < Tn && valid(tn))
+            fold<T, BC>(K + kx(tn), V + vx(tn), sc, nk, cn, m.data(), s.data(), n.data(),
+                        a.data(), w.data());
+          if (valid(t)) vmax(vm.data(), V + vx(t), sc, cn);  // every query sees every key
+          std::copy(m.begin(), m.end(), MX + kx(t));
+          std::copy(s.begin(), s.end(), IV + kx(t));
+          std::copy(n.begin(), n.end(), Y + vx(t));
+        }
+      }
+      reset();
+      const int64_t nb = std::max<int64_t>(1, std::min(geo.W, Tn));  // most band rows
+      std::vector<int64_t> rows(nb);  // the valid band keys of query t ...
+      std::vector<double> wv(nb), z(nb);  // ... their biases, exponents k + w (BC)
+      std::vector<T> e(nb);
+      for (int64_t t = 0; t < Tn; ++t) {
+        const int64_t tp = t - lo - 1;  // leaves the band, enters the prefix
+        if (tp >= 0 && valid(tp))
+          fold<T, BC>(K + kx(tp), V + vx(tp), sc, nk, cn, m.data(), s.data(), n.data(), a.data(),
+                      w.data());
+        if (geo.causal && valid(t)) vmax(vm.data(), V + vx(t), sc, cn);  // the keys t' <= t
+        const double* wr = Wb + ((geo.Tb == 1 ? 0 : t) * geo.G + tk.g) * geo.W;
+        int64_t nr = 0;
+        for (int64_t u = std::max<int64_t>(0, t - lo); u <= std::min(Tn - 1, t + hi); ++u) {
+          if (!valid(u)) continue;
+          rows[nr] = u;
+          wv[nr++] = wr[u - t + lo];
+        }
+        const double* ms = geo.causal ? nullptr : MX + kx(t);  // suffix state (non-causal)
+        const T *ss = geo.causal ? nullptr : IV + kx(t), *ns = geo.causal ? nullptr : Y + vx(t);
+        double* Mo = save ? MX + kx(t) : nullptr;
+        T* Io = save ? IV + kx(t) : nullptr;
+        const T* q = Q + vx(t);
+        T* y = Y + vx(t);
+        const T* K0 = K + kx(0);
+        const T* V0 = V + vx(0);
+        if constexpr (BC) {
+          // one key per group: the exponents, shift and weights once per row, then the values
+          double Mg = m[0];
+          if (ms) Mg = std::max(Mg, ms[0]);
+          for (int64_t r = 0; r < nr; ++r) {
+            z[r] = static_cast<double>(K0[rows[r] * geo.DK]) + wv[r];
+            Mg = z[r] > Mg ? z[r] : Mg;
+          }
+          if (Mg == NEG_INF) Mg = 0.0;  // no key at all
+          const T ap = expd<T>(m[0] - Mg), as = ms ? expd<T>(ms[0] - Mg) : T(0);
+          T dg = s[0] * ap + (ms ? ss[0] * as : T(0));
+          for (int64_t r = 0; r < nr; ++r) {
+            e[r] = expd<T>(z[r] - Mg);
+            dg += e[r];
+          }
+          const T inv = dg == T(0) ? T(0) : T(1) / dg;
+          int64_t c = 0;
+          for (; c + VL <= cn; c += VL)
+            values_block<T, VL>(V0 + c, geo.D, rows.data(), e.data(), nr, n.data() + c, ap,
+                                ns ? ns + c : nullptr, as, inv, sc, vm.data() + c, q + c, y + c);
+          for (; c < cn; ++c)
+            values_block<T, 1>(V0 + c, geo.D, rows.data(), e.data(), nr, n.data() + c, ap,
+                               ns ? ns + c : nullptr, as, inv, sc, vm.data() + c, q + c, y + c);
+          if (save) {
+            Mo[0] = Mg;
+            Io[0] = inv;
+          }
+        } else {
+          std::copy(m.begin(), m.end(), M.begin());
+          if (ms)
+            for (int64_t c = 0; c < cn; ++c) M[c] = ms[c] > M[c] ? ms[c] : M[c];
+          for (int64_t r = 0; r < nr; ++r) {
+            const T* kr = K0 + rows[r] * geo.DK;
+            const double wr_ = wv[r];
+            #pragma omp simd
+            for (int64_t c = 0; c < cn; ++c) {
+              const double zz = static_cast<double>(kr[c]) + wr_;
+              M[c] = zz > M[c] ? zz : M[c];
+            }
+          }
+          #pragma omp simd
+          for (int64_t c = 0; c < cn; ++c) {
+            M[c] = M[c] == NEG_INF ? 0.0 : M[c];  // no key at all
+            a[c] = expd<T>(m[c] - M[c]);
+            den[c] = s[c] * a[c];
+            num[c] = n[c] * a[c];
+          }
+          if (ms) {
+            #pragma omp simd
+            for (int64_t c = 0; c < cn; ++c) {
+              a[c] = expd<T>(ms[c] - M[c]);
+              den[c] += ss[c] * a[c];
+              num[c] += ns[c] * a[c];
+            }
+          }
+          for (int64_t r = 0; r < nr; ++r) {
+            const T *kr = K0 + rows[r] * geo.DK, *vr = V0 + rows[r] * geo.D;
+            const double wr_ = wv[r];
+            #pragma omp simd
+            for (int64_t c = 0; c < cn; ++c) {
+              const T ee = expd<T>(static_cast<double>(kr[c]) + wr_ - M[c]);
+              den[c] += ee;
+              num[c] += ee * (vr[c] * sc);
+            }
+          }
+          #pragma omp simd
+          for (int64_t c = 0; c < cn; ++c) {
+            const T inv = den[c] == T(0) ? T(0) : T(1) / den[c];  // 0: no key; NaN stays NaN
+            y[c] = output(q[c], num[c] * inv, vm[c], unsc);
+            w[c] = inv;
+          }
+          if (save) {
+            std::copy(M.begin(), M.end(), Mo);
+            std::copy(w.begin(), w.end(), Io);
+          }
+        }
+      }
+    }
+  });
+}
+
+// ------------------------------------------------------------------ backward
+template <typename T, bool BC>
+void band_bwd(const T* __restrict__ GY, const T* __restrict__ Q, const T* __restrict__ K,
+              const T* __restrict__ V, const double* __restrict__ Wb, const T* __restrict__ Y,
+              const double* __restrict__ MX, const T* __restrict__ IV, const bool* __restrict__ Mk,
+              T* __restrict__ DQ, T* __restrict__ DK, T* __restrict__ DV,
+              double* __restrict__ DWP, const Geo& geo) {
+  const int64_t Tn = geo.T, lo = geo.lo, hi = geo.hi;
+  const int64_t R = std::max<int64_t>(1, std::min(geo.W, Tn));  // ring rows: band queries
+  at::parallel_for(0, geo.tasks(), 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const Task tk = task_of<BC>(geo, i);
+      const int64_t nk = tk.nk, cn = tk.cn;
+      double* dwp = DWP + tk.id * geo.Tb * geo.G * geo.W;
+      auto kx = [&](int64_t t) { return (tk.b * Tn + t) * geo.DK + tk.k0; };
+      auto vx = [&](int64_t t) { return (tk.b * Tn + t) * geo.D + tk.c0; };
+      auto valid = [&](int64_t t) { return Mk == nullptr || Mk[tk.b * Tn + t]; };
+      // query-side scan state: max of -M_t, sums of dO_t / den_t and E_t / den_t
+      std::vector<double> mq(nk);
+      std::vector<T> se(nk), a(nk), w(nk), f(nk), acck(nk), sdo(cn), accv(cn);
+      std::vector<T> rdo(R * cn), rE(R * nk), rI(R * nk), rL(R * nk);
+      std::vector<double> rM(R * nk);
+      std::vector<char> rA(R);  // ring row has an upstream gradient in some channel
+      auto reset = [&] {
+        std::fill(mq.begin(), mq.end(), NEG_INF);
+        std::fill(se.begin(), se.end(), T(0));
+        std::fill(sdo.begin(), sdo.end(), T(0));
+      };
+      // dO = g sigma(q), E = sum over the key's channels of g y; dq = g y (1 - sigma(q)).
+      // L = 1 where the query has an upstream gradient in the key's channels (g != 0), else 0:
+      // a query with g = 0 contributes exactly nothing (dO = E = 0 by a select, whatever y, q),
+      // so a later input reaches no earlier gradient, not even through rounding or NaN.
+      auto prep = [&](int64_t t, T* dO, T* E, T* L, bool write_dq) {
+        const T *g = GY + vx(t), *q = Q + vx(t), *y = Y + vx(t);
+        T* dq = DQ + vx(t);
+        T acc = 0, live = 0;
+        #pragma omp simd reduction(+ : acc, live)
+        for (int64_t c = 0; c < cn; ++c) {
+          const bool has = g[c] != T(0);
+          const T sq = sigmoid(q[c]), gy = g[c] * y[c], ge = has ? gy : T(0);
+          dO[c] = has ? g[c] * sq : T(0);
+          if (write_dq) dq[c] = gy * (T(1) - sq);
+          if (!BC) {
+            E[c] = ge;
+            L[c] = has ? T(1) : T(0);
+          }
+          acc += ge;
+          live += has ? T(1) : T(0);
+        }
+        if (BC) {
+          E[0] = acc;
+          L[0] = live > T(0) ? T(1) : T(0);
+        }
+      };
+      // fold query t (key -M_t, weight 1/den_t; skipped where it has no key, 1/den = 0, or no
+      // upstream gradient, L = 0: the state is then kept as it is)
+      auto qfold = [&](const double* Mt, const T* it, const T* dO, const T* E, const T* L) {
+        #pragma omp simd
+        for (int64_t j = 0; j < nk; ++j) {
+          const bool has = (it[j] > T(0)) & (L[j] != T(0));
+          const double x = -Mt[j], d = x - mq[j];
+          const T e = expd<T>(-std::abs(d));
+          const bool up = d > 0;
+          a[j] = has && up ? e : T(1);
+          w[j] = has ? (up ? T(1) : e) * it[j] : T(0);
+          mq[j] = has && up ? x : mq[j];
+          se[j] = se[j] * a[j] + w[j] * E[j];  // L = 0: a = 1, w = 0, E = 0: kept exactly
+        }
+        #pragma omp simd
+        for (int64_t c = 0; c < cn; ++c) sdo[c] = sdo[c] * a[BC ? 0 : c] + w[BC ? 0 : c] * dO[c];
+      };
+      // the outside-the-band part of key t' from the query state: f = exp(k + max(-M)) <= 1
+      auto outside = [&](const T* k) {
+        #pragma omp simd
+        for (int64_t j = 0; j < nk; ++j) {
+          f[j] = expd<T>(static_cast<double>(k[j]) + mq[j]);
+          acck[j] = -f[j] * se[j];
+        }
+        #pragma omp simd
+        for (int64_t c = 0; c < cn; ++c) accv[c] = f[BC ? 0 : c] * sdo[c];
+      };
+      if (!geo.causal) {  // queries t <= t' - hi - 1 (key t' is in their suffix): into dk, dv
+        reset();
+        for (int64_t u = 0; u < Tn; ++u) {
+          const int64_t tq = u - hi - 1;
+          if (tq >= 0) {
+            prep(tq, rdo.data(), rE.data(), rL.data(), false);
+            qfold(MX + kx(tq), IV + kx(tq), rdo.data(), rE.data(), rL.data());
+          }
+          T *dk = DK + kx(u), *dv = DV + vx(u);
+          if (!valid(u)) {
+            std::fill(dk, dk + nk, T(0));
+            std::fill(dv, dv + cn, T(0));
+            continue;
+          }
+          outside(K + kx(u));
+          std::copy(acck.begin(), acck.end(), dk);
+          std::copy(accv.begin(), accv.end(), dv);
+        }
+      }
+      // reverse pass over keys; the ring holds queries t' - hi .. t' + lo (slot t mod R)
+      reset();
+      // a ring row: where L = 0 the query's shift is +inf and 1/den 0, so P = exp(-inf) 0 = 0
+      // exactly for a finite key (no 0 * NaN); a row with no gradient at all is skipped
+      auto load = [&](int64_t t) {
+        const int64_t r = t % R;
+        const T* L = rL.data() + r * nk;
+        prep(t, rdo.data() + r * cn, rE.data() + r * nk, rL.data() + r * nk, true);
+        const double* Ms = MX + kx(t);
+        const T* Is = IV + kx(t);
+        double* Md = rM.data() + r * nk;
+        T* Id = rI.data() + r * nk;
+        T live = 0;
+        #pragma omp simd reduction(+ : live)
+        for (int64_t j = 0; j < nk; ++j) {
+          Md[j] = L[j] != T(0) ? Ms[j] : std::numeric_limits<double>::infinity();
+          Id[j] = L[j] != T(0) ? Is[j] : T(0);
+          live += L[j];
+        }
+        rA[r] = live > T(0);
+      };
+      for (int64_t t = std::max<int64_t>(0, Tn - hi); t < Tn; ++t) load(t);
+      for (int64_t u = Tn - 1; u >= 0; --u) {
+        const int64_t tl = u + lo + 1;  // leaves the band: key u is in its prefix from now on
+        if (tl < Tn) {
+          const int64_t r = tl % R;
+          qfold(rM.data() + r * nk, rI.data() + r * nk, rdo.data() + r * cn, rE.data() + r * nk,
+                rL.data() + r * nk);
+        }
+        if (u - hi >= 0) load(u - hi);
+        T *dk = DK + kx(u), *dv = DV + vx(u);
+        if (!valid(u)) {
+          std::fill(dk, dk + nk, T(0));
+          std::fill(dv, dv + cn, T(0));
+          continue;
+        }
+        const T *k = K + kx(u), *v = V + vx(u);
+        outside(k);
+        if (!geo.causal) {
+          for (int64_t j = 0; j < nk; ++j) acck[j] += dk[j];
+          for (int64_t c = 0; c < cn; ++c) accv[c] += dv[c];
+        }
+        const int64_t ta = std::max<int64_t>(0, u - hi), tz = std::min(Tn - 1, u + lo);
+        for (int64_t t = ta; t <= tz; ++t) {  // the queries whose band holds key u
+          const int64_t r = t % R, jw = u - t + lo;
+          const int64_t wi = ((geo.Tb == 1 ? 0 : t) * geo.G + tk.g) * geo.W + jw;
+          const double wv = Wb[wi];
+          const double* Mt = rM.data() + r * nk;
+          const T *it = rI.data() + r * nk, *Et = rE.data() + r * nk, *dO = rdo.data() + r * cn;
+          if (!rA[r]) continue;  // no upstream gradient: contributes exactly 0
+          T sum = 0;  // dw: sum of P (dO . v - E) over the task's channels
+          if constexpr (BC) {
+            const T P = expd<T>(static_cast<double>(k[0]) + wv - Mt[0]) * it[0];
+            #pragma omp simd reduction(+ : sum)
+            for (int64_t c = 0; c < cn; ++c) {
+              const T pd = P * dO[c];
+              accv[c] += pd;
+              sum += v[c] * pd;
+            }
+            const T pe = P * Et[0];
+            acck[0] -= pe;
+            sum -= pe;
+          } else {
+            #pragma omp simd reduction(+ : sum)
+            for (int64_t c = 0; c < cn; ++c) {
+              const T P = expd<T>(static_cast<double>(k[c]) + wv - Mt[c]) * it[c];
+              const T pd = P * dO[c], pe = P * Et[c];
+              accv[c] += pd;
+              acck[c] -= pe;
+              sum += v[c] * pd - pe;
+            }
+          }
+          dwp[wi] += static_cast<double>(sum);
+        }
+        std::copy(accv.begin(), accv.end(), dv);
+        if constexpr (BC) {
+          T vd = 0;
+          #pragma omp simd reduction(+ : vd)
+          for (int64_t c = 0; c < cn; ++c) vd += v[c] * accv[c];
+          dk[0] = acck[0] + vd;
+        } else {
+          #pragma omp simd
+          for (int64_t c = 0; c < cn; ++c) dk[c] = acck[c] + v[c] * accv[c];
+        }
+      }
+    }
+  });
+}
+
+// ------------------------------------------------------------------ ATen entry points
+// Checks shapes and returns the geometry; bc: one key per group (DK = G < D).
+Geo make_geo(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+             const at::Tensor& w, int64_t lo, int64_t hi, bool causal, bool& bc) {
+  TORCH_CHECK(q.dim() == 3 && v.sizes() == q.sizes(), op, ": q, v must be (B, T, D), got ",
+              q.sizes(), v.sizes());
+  TORCH_CHECK(k.dim() == 3 && k.size(0) == q.size(0) && k.size(1) == q.size(1), op,
+              ": k must be (B, T, DK), got ", k.sizes());
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), op,
+              ": q, k, v must have one dtype");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() &&
+                  w.device().is_cpu(),
+              op, ": CPU tensors only");
+  TORCH_CHECK(lo >= 0 && hi >= 0 && (!causal || hi == 0), op, ": bad band lo=", lo, " hi=", hi);
+  Geo g;
+  g.B = q.size(0), g.T = q.size(1), g.D = q.size(2), g.DK = k.size(2);
+  TORCH_CHECK(w.dim() == 3 && (w.size(0) == 1 || w.size(0) == g.T) && w.size(1) >= 1 &&
+                  g.D % w.size(1) == 0 && w.size(2) == lo + hi + 1,
+              op, ": w must be (1 or T, G, lo + hi + 1) with G dividing D, got ", w.sizes());
+  g.Tb = w.size(0), g.G = w.size(1), g.W = w.size(2), g.C = g.D / g.G;
+  g.lo = lo, g.hi = hi, g.causal = causal;
+  TORCH_CHECK(g.DK == g.D || g.DK == g.G, op, ": k must have D or G channels, got ", g.DK);
+  bc = g.DK != g.D;
+  if (bc) {
+    g.cbs = g.C, g.nsub = 1;
+  } else {  // blocks inside a group, split further only to give every thread a task
+    const int64_t groups = std::max<int64_t>(1, g.B * g.G);
+    const int64_t per = std::max<int64_t>(1, (at::get_num_threads() + groups - 1) / groups);
+    const int64_t cb = ((g.C + per - 1) / per + 15) / 16 * 16;
+    g.cbs = std::max<int64_t>(16, std::min(CB, cb));
+    g.nsub = (g.C + g.cbs - 1) / g.cbs;
+  }
+  return g;
+}
+
+const bool* mask_ptr(const std::optional<at::Tensor>& mask, at::Tensor& keep,
+                     const at::Tensor& q) {
+  if (!mask.has_value()) return nullptr;
+  keep = mask->to(at::kBool).contiguous();
+  TORCH_CHECK(keep.dim() == 2 && keep.size(0) == q.size(0) && keep.size(1) == q.size(1),
+              "padding mask must be (B, T)");
+  return keep.data_ptr<bool>();
+}
+
+// y (B, T, D); if save: M (B, T, DK) float64 and 1/den (B, T, DK), else two empty tensors.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> band(const at::Tensor& q_, const at::Tensor& k_,
+                                                    const at::Tensor& v_, const at::Tensor& w_,
+                                                    int64_t lo, int64_t hi, bool causal,
+                                                    const std::optional<at::Tensor>& mask,
+                                                    bool save) {
+  bool bc;
+  const Geo geo = make_geo("aftlab::band", q_, k_, v_, w_, lo, hi, causal, bc);
+  auto q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
+  auto w = w_.to(at::kDouble).contiguous();
+  at::Tensor keep;
+  const bool* M = mask_ptr(mask, keep, q);
+  auto y = at::empty_like(q);
+  const bool keep_stats = save || !causal;  // non-causal: scratch for the suffix state
+  auto mx = keep_stats ? at::empty(k.sizes(), k.options().dtype(at::kDouble))
+                       : at::empty({0}, k.options().dtype(at::kDouble));
+  auto iv = keep_stats ? at::empty_like(k) : at::empty({0}, k.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "band", [&] {
+    auto f = bc ? band_fwd<scalar_t, true> : band_fwd<scalar_t, false>;
+    f(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
+      w.data_ptr<double>(), M, y.data_ptr<scalar_t>(),
+      keep_stats ? mx.data_ptr<double>() : nullptr,
+      keep_stats ? iv.data_ptr<scalar_t>() : nullptr, save, geo);
+  });
+  if (!save) return {y, at::empty({0}, mx.options()), at::empty({0}, iv.options())};
+  return {y, mx, iv};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> band_backward(
+    const at::Tensor& gy_, const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
+    const at::Tensor& w_, const at::Tensor& y_, const at::Tensor& mx_, const at::Tensor& iv_,
+    int64_t lo, int64_t hi, bool causal, const std::optional<at::Tensor>& mask) {
+  bool bc;
+  const Geo geo = make_geo("aftlab::band_backward", q_, k_, v_, w_, lo, hi, causal, bc);
+  TORCH_CHECK(mx_.sizes() == k_.sizes() && iv_.sizes() == k_.sizes() &&
+                  mx_.scalar_type() == at::kDouble,
+              "aftlab::band_backward: the statistics were not saved");
+  auto gy = gy_.contiguous().to(q_.scalar_type()), q = q_.contiguous(), k = k_.contiguous(),
+       v = v_.contiguous(), y = y_.contiguous(), mx = mx_.contiguous(), iv = iv_.contiguous();
+  auto w = w_.to(at::kDouble).contiguous();
+  at::Tensor keep;
+  const bool* M = mask_ptr(mask, keep, q);
+  auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+  const int64_t nw = geo.Tb * geo.G * geo.W;
+  auto parts = at::zeros({geo.tasks(), nw}, w.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "band_backward", [&] {
+    auto f = bc ? band_bwd<scalar_t, true> : band_bwd<scalar_t, false>;
+    f(gy.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
+      v.data_ptr<scalar_t>(), w.data_ptr<double>(), y.data_ptr<scalar_t>(),
+      mx.data_ptr<double>(), iv.data_ptr<scalar_t>(), M, dq.data_ptr<scalar_t>(),
+      dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(), parts.data_ptr<double>(), geo);
+  });
+  // dw: the tasks' partial sums added in task order (deterministic for a thread count)
+  auto dw = at::zeros({nw}, w.options());
+  const double* pp = parts.data_ptr<double>();
+  double* out = dw.data_ptr<double>();
+  for (int64_t t = 0; t < geo.tasks(); ++t)
+    for (int64_t j = 0; j < nw; ++j) out[j] += pp[t * nw + j];
+  return {dq, dk, dv, dw.view(w_.sizes()).to(w_.scalar_type())};
+}
+
+}  // namespace
+}  // namespace aftlab
+
+TORCH_LIBRARY_FRAGMENT(aftlab, m) {
+  m.def("band(Tensor q, Tensor k, Tensor v, Tensor w, int lo, int hi, bool causal, Tensor? mask,"
+        " bool save) -> (Tensor, Tensor, Tensor)");
+  m.def("band_backward(Tensor gy, Tensor q, Tensor k, Tensor v, Tensor w, Tensor y, Tensor mx,"
+        " Tensor iv, int lo, int hi, bool causal, Tensor? mask) -> (Tensor, Tensor, Tensor,"
+        " Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(aftlab, CPU, m) {
+  m.impl("band", &aftlab::band);
+  m.impl("band_backward", &aftlab::band_backward);
+}

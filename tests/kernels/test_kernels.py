@@ -1,0 +1,169 @@
+"""The kernel machinery: dispatch, fallback, torch.compile, the CLI and the build cache.
+
+The op tests themselves (kernel against the float64 references) are in tests/ops, where every
+test of aft_simple and aft_decay runs on both implementations.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+
+from aftlab import kernels
+from aftlab.cli import main
+from aftlab.kernels import _build
+from aftlab.ops import aft_decay, aft_simple
+
+needs_kernels = pytest.mark.skipif(
+    not kernels.load(), reason=f"kernels unavailable: {kernels.status()['aft_simple'][1]}"
+)
+
+
+def _inputs(B=2, T=33, d=5):
+    q, k, v = (torch.randn(B, T, d, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    lam = torch.rand(d, dtype=torch.float64, requires_grad=True)
+    u = torch.randn(d, dtype=torch.float64, requires_grad=True)
+    return q, k, v, lam, u
+
+
+@needs_kernels
+def test_use_kernels_selects_the_implementation():
+    q, k, v, lam, u = _inputs()
+    with kernels.use_kernels(True):
+        assert "aftlab_simple_causal" in aft_simple(q, k, v, causal=True).grad_fn.name()
+        assert "aftlab_simple_global" in aft_simple(q, k, v).grad_fn.name()
+        assert "aftlab_decay" in aft_decay(q, k, v, lam, u).grad_fn.name()
+    with kernels.use_kernels(False):
+        assert "aftlab" not in aft_simple(q, k, v, causal=True).grad_fn.name()
+        assert "aftlab" not in aft_decay(q, k, v, lam, u).grad_fn.name()
+    assert not kernels.enabled(torch.zeros(1, device="meta"))  # not a CPU tensor
+
+
+@needs_kernels
+def test_forward_only_saves_nothing_and_matches():
+    q, k, v, lam, u = (t.detach().float() for t in _inputs())
+    with kernels.use_kernels(True), torch.no_grad():
+        y, r = torch.ops.aftlab.simple_causal(q, k, v, None, False)
+        assert r.numel() == 0
+        assert torch.equal(y, aft_simple(q, k, v, causal=True))
+        y, r, w = torch.ops.aftlab.decay(q, k, v, lam, u, None, False)
+        assert r.numel() == 0 and w.numel() == 0
+
+
+def test_env_switch_falls_back_with_one_warning(monkeypatch):
+    monkeypatch.setenv("AFTLAB_KERNELS", "0")
+    monkeypatch.setattr(kernels, "_warned", set())
+    q, k, v, lam, u = _inputs()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            y = aft_simple(q, k, v, causal=True)
+            aft_decay(q, k, v, lam, u)
+    assert [str(w.message) for w in caught] == [
+        "aftlab: running the pure-PyTorch ops: AFTLAB_KERNELS=0"
+    ]
+    assert "aftlab" not in y.grad_fn.name()
+    assert kernels.status()["aft_simple"] == ("pytorch", "switched off by AFTLAB_KERNELS=0")
+
+
+_NO_COMPILER = """
+import warnings, torch
+from aftlab import kernels
+from aftlab.ops import aft_simple
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    q = torch.randn(1, 9, 3)
+    y1, y2 = aft_simple(q, q, q, causal=True), aft_simple(q, q, q)
+print(len(caught), caught[0].message)
+print(kernels.status()["aft_decay"])
+"""
+
+
+def test_no_compiler_falls_back_with_one_warning(tmp_path):
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), AFTLAB_CACHE=str(tmp_path))
+    env.pop("AFTLAB_KERNELS", None)
+    out = subprocess.run(
+        [sys.executable, "-c", _NO_COMPILER], env=env, capture_output=True, text=True,
+        timeout=120, check=True,
+    ).stdout
+    assert out.startswith("1 aftlab: running the pure-PyTorch ops: no C++ compiler"), out
+    assert "('pytorch', 'no C++ compiler" in out
+    assert not (tmp_path / "kernels").exists()  # nothing was written
+
+
+@needs_kernels
+@pytest.mark.slow
+def test_compile_fullgraph_equals_eager():
+    q, k, v, lam, u = _inputs()
+    g = torch.randn(2, 33, 5, dtype=torch.float64)
+    cases = {
+        "simple causal": (lambda q, k, v, lam, u: aft_simple(q, k, v, causal=True), 3),
+        "simple": (lambda q, k, v, lam, u: aft_simple(q, k, v), 3),
+        "decay": (lambda q, k, v, lam, u: aft_decay(q, k, v, lam, u), 5),
+    }
+    with kernels.use_kernels(True):
+        for name, (fn, n) in cases.items():
+            torch._dynamo.reset()
+            compiled = torch.compile(fn, fullgraph=True)
+            ins = (q, k, v, lam, u)
+            y, yc = fn(*ins), compiled(*ins)
+            assert torch.equal(y, yc), name
+            grads = torch.autograd.grad((y * g).sum(), ins[:n])
+            grads_c = torch.autograd.grad((yc * g).sum(), ins[:n])
+            for a, b in zip(grads, grads_c, strict=True):
+                assert torch.equal(a, b), name
+
+
+@needs_kernels
+def test_cli_kernels_reports_each_op(capsys):
+    assert main(["kernels"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split(":")[0] for line in lines] == list(kernels.OPS)
+    assert all(": kernel (compiled library " in line for line in lines)
+
+
+_BUILD = """
+import sys, torch
+from aftlab import kernels
+from aftlab.ops.aft_simple import aft_simple, aft_simple_reference
+assert kernels.load(), kernels.status()
+q = torch.randn(2, 50, 7, dtype=torch.float64)
+with kernels.use_kernels(True):
+    y = aft_simple(q, q, q, causal=True)
+err = (y - aft_simple_reference(q, q, q, causal=True)).abs().max().item()
+print("ok", err)
+"""
+
+
+@needs_kernels
+@pytest.mark.slow
+def test_two_processes_build_into_an_empty_cache_at_once(tmp_path):
+    # A killed build leaves a temporary folder and a lock file behind; neither may block.
+    env = dict(os.environ, AFTLAB_CACHE=str(tmp_path))
+    env.pop("AFTLAB_KERNELS", None)
+    code = "from aftlab.kernels import _build; print(_build.build_key())"
+    key = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    root = tmp_path / "kernels"
+    (root / f"{key}.tmpstale").mkdir(parents=True)
+    (root / f"{key}.lock").touch()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(_BUILD)], env=env, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err
+        assert out.startswith("ok") and float(out.split()[1]) < 1e-12, out
+    errs = "".join(err for _, err in outs)
+    assert errs.count("compiling the CPU kernels") == 1, errs  # one build, one waiter
+    assert sorted(p.name for p in root.iterdir()) == [key, f"{key}.lock"]
+    assert (root / key / f"{_build.NAME}.so").exists()
