@@ -119,11 +119,16 @@ def test_compile_fullgraph_equals_eager():
 
 
 @needs_kernels
-def test_cli_kernels_reports_each_op(capsys):
+def test_cli_kernels_reports_each_op(capsys, monkeypatch):
+    monkeypatch.delenv("AFTLAB_KERNELS", raising=False)
     assert main(["kernels"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert [line.split(":")[0] for line in lines] == list(kernels.OPS)
     assert all(": kernel (compiled library " in line for line in lines)
+    monkeypatch.setenv("AFTLAB_KERNELS", "0")
+    assert main(["kernels"]) == 1
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines == [f"{op}: pytorch (switched off by AFTLAB_KERNELS=0)" for op in kernels.OPS]
 
 
 _BUILD = """
