@@ -1,4 +1,4 @@
-"""Prefill of a prompt vs one forward pass of it, per causal mixer (issue 8: <= 1.5x at T=4096).
+"""Prefill of a prompt vs one forward pass of it, per causal mixer (target: <= 1.5x at T=4096).
 
 A ``TransformerLM`` (d_model 256, 4 layers, 4 heads, batch of 1, float32, byte vocabulary) runs
 ``model(idx)`` and ``model.prefill(idx)`` (the same logits plus every layer's decoding state)

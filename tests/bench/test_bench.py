@@ -85,7 +85,7 @@ def test_end_to_end_writes_schema(tmp_path):
     assert all(r["cpu_model"] and r["command"] == "aftlab bench --test" for r in csv_rows)
 
     summary = (tmp_path / "summary.md").read_text()
-    assert "| attention-sdpa |" in summary and "## Targets (issue 8)" in summary
+    assert "| attention-sdpa |" in summary and "## Targets" in summary
     pytest.importorskip("matplotlib")
     for mode in ("forward", "train", "decode"):
         assert (tmp_path / f"bench_{mode}.png").stat().st_size > 0
@@ -356,7 +356,7 @@ def test_hf_rwkv_peer_is_gated_timed_and_reported(tmp_path, transformers_install
         assert r["gate"] == "passed" and r["gate_max_error"] < 1e-4
         assert r["time_median_s"] > 0 and r["finite"] and r["finite_large_input"]
     summary = (tmp_path / "summary.md").read_text()
-    assert "## Targets (issue 8)" in summary and "## Against peers" in summary
+    assert "## Targets" in summary and "## Against peers" in summary
     line = next(
         x for x in summary.splitlines() if "| rwkv_linear_attention_cpu | train | 16 |" in x
     )

@@ -15,7 +15,7 @@ from .helpers import TINY, write_text
 
 
 def test_aft_local_run_twice_with_two_threads_gives_the_same_weights(tmp_path):
-    """Same seed, same data, 2 threads: the same weights, bit for bit (issue 9, section 2).
+    """Same seed, same data, 2 threads: the same weights, bit for bit.
 
     AFT-local's band of ``w = U V^T`` was gathered with ``V[cols]``, whose backward
     accumulates with ``index_put_`` in thread-schedule order: weights differed by up to 5e-5.

@@ -1,5 +1,5 @@
 """A run folder is never code, never shared by two trainings, never mixed with an edited config,
-never overwritten by a diverged run, and survives a full disk (issue 9, sections 1, 2 and 4)."""
+never overwritten by a diverged run, and survives a full disk."""
 
 import errno
 import hashlib

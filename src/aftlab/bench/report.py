@@ -189,7 +189,8 @@ def _targets() -> list[tuple]:
     ]
 
 
-#: Issue 8's section 5 targets that bench measures: (target, how, ">=" or "<=", threshold);
+#: The speed targets that bench measures (docs/benchmarks.md, "Targets"):
+#: (target, how, ">=" or "<=", threshold);
 #: ``how(result)`` returns ``(value, where)``, or ``(None, why)`` when it cannot be read.
 TARGETS = _targets()
 
@@ -306,7 +307,7 @@ def summary_markdown(result: dict) -> str:
                 f"**{r['status']}**: {r['note']}"
             )
         lines.append("")
-    lines += ["## Targets (issue 8)", "", "| target | measured | status |", "|---|---|---|"]
+    lines += ["## Targets", "", "| target | measured | status |", "|---|---|---|"]
     for t in result.get("targets", []):
         meas = t["measured"] if t["status"] != "n/a" else f"n/a: {t['note']}"
         lines.append(f"| {t['target']} | {meas} | {t['status']} |")
