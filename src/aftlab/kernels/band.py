@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["local", "conv1d"]
+from ._ops import _LOW, _needs_grad
 
-_LOW = (torch.float16, torch.bfloat16)
+__all__ = ["local", "conv1d"]
 
 
 def _band(q, k, v, w, lo: int, hi: int, causal: bool, padding_mask):
@@ -29,7 +29,7 @@ def _band(q, k, v, w, lo: int, hi: int, causal: bool, padding_mask):
     out_dtype = q.dtype
     if out_dtype in _LOW:
         q, k, v = q.float(), k.float(), v.float()
-    save = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, w))
+    save = _needs_grad(q, k, v, w)
     y, _, _ = torch.ops.aftlab.band(q, k, v, w, lo, hi, causal, padding_mask, save)
     return y.to(out_dtype)
 
@@ -44,19 +44,8 @@ def local(
     causal: bool = False,
     padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Kernel of :func:`aftlab.ops.aft_local.aft_local_band` (same arguments and result).
-
-    Args:
-        q, k, v: ``(B, T, d)``.
-        w_band: ``(T, W)``, ``w_band[t, j] = w_{t, t + j - (s - 1)}``, ``s = min(window, T)``,
-            ``W = 2s - 1`` (``s`` causal). Ignored when ``window == 0`` (AFT-simple).
-        window: ``s >= 0``: the band is ``|t - t'| < s``.
-        causal: restrict to ``t' <= t``.
-        padding_mask: optional bool ``(B, T)``, True for real tokens.
-
-    Returns:
-        ``(B, T, d)`` in the dtype of ``q``.
-    """
+    """Kernel of :func:`aftlab.ops.aft_local.aft_local_band`: the same arguments, shapes and
+    result (inputs already validated there); ``window == 0`` runs as AFT-simple."""
     T = q.shape[1]
     if T == 0:
         return q * 0.0
@@ -77,19 +66,9 @@ def conv1d(
     causal: bool = False,
     padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Kernel of :func:`aftlab.ops.aft_conv.aft_conv` (same arguments and result).
-
-    Args:
-        q, v: ``(B, T, h, c)``.
-        k: ``(B, T, h, 1)`` (one key per head) or ``(B, T, h, c)``.
-        w: ``(h, s)``; non-causal: odd ``s``, ``w[:, j]`` acts on ``t' = t + j - s // 2``;
-            causal: ``w[:, j]`` acts on ``t' = t + j - (s - 1)``.
-        causal: restrict to ``t' <= t``.
-        padding_mask: optional bool ``(B, T)``, True for real tokens.
-
-    Returns:
-        ``(B, T, h, c)`` in the dtype of ``q``.
-    """
+    """Kernel of 1-D :func:`aftlab.ops.aft_conv.aft_conv`: the same arguments, shapes and
+    result (inputs already validated there): ``q, v (B, T, h, c)``, ``k (B, T, h, 1 or c)``,
+    ``w (h, s)``."""
     B, T, h, c = q.shape
     s = w.shape[-1]
     if not causal and s % 2 == 0:

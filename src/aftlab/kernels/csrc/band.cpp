@@ -48,7 +48,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "aft_math.h"
+#include "common.h"
 
 #include <algorithm>
 #include <cmath>
@@ -513,15 +513,6 @@ Geo make_geo(const char* op, const at::Tensor& q, const at::Tensor& k, const at:
     g.nsub = (g.C + g.cbs - 1) / g.cbs;
   }
   return g;
-}
-
-const bool* mask_ptr(const std::optional<at::Tensor>& mask, at::Tensor& keep,
-                     const at::Tensor& q) {
-  if (!mask.has_value()) return nullptr;
-  keep = mask->to(at::kBool).contiguous();
-  TORCH_CHECK(keep.dim() == 2 && keep.size(0) == q.size(0) && keep.size(1) == q.size(1),
-              "padding mask must be (B, T)");
-  return keep.data_ptr<bool>();
 }
 
 // y (B, T, D); if save: M (B, T, DK) float64 and 1/den (B, T, DK), else two empty tensors.

@@ -34,7 +34,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "aft_math.h"
+#include "common.h"
 
 #include <algorithm>
 #include <cmath>
@@ -357,15 +357,6 @@ void check_qkv(const char* op, const at::Tensor& q, const at::Tensor& k, const a
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), op,
               ": q, k, v must have one dtype");
   TORCH_CHECK(q.device().is_cpu(), op, ": CPU tensors only");
-}
-
-const bool* mask_ptr(const std::optional<at::Tensor>& mask, at::Tensor& keep,
-                     const at::Tensor& q) {
-  if (!mask.has_value()) return nullptr;
-  keep = mask->to(at::kBool).contiguous();
-  TORCH_CHECK(keep.dim() == 2 && keep.size(0) == q.size(0) && keep.size(1) == q.size(1),
-              "padding mask must be (B, T)");
-  return keep.data_ptr<bool>();
 }
 
 std::tuple<at::Tensor, at::Tensor> simple_causal(const at::Tensor& q_, const at::Tensor& k_,

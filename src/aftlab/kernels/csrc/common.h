@@ -1,10 +1,14 @@
-// Shared by the kernels: exponentials of non-positive numbers, the sigmoid, value scaling.
+// Shared by the kernels: exponentials of non-positive numbers, the sigmoid, value scaling and
+// the padding-mask pointer.
 #pragma once
+
+#include <ATen/ATen.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 
 namespace aftlab {
 
@@ -56,6 +60,16 @@ inline T sigmoid(T x) {
   const T e = exp_nonpos(-std::abs(x));
   const T inv = T(1) / (T(1) + e);
   return x >= T(0) ? inv : e * inv;
+}
+
+// The padding mask (B, T) as a contiguous bool buffer kept alive in `keep`; nullptr if absent.
+inline const bool* mask_ptr(const std::optional<at::Tensor>& mask, at::Tensor& keep,
+                     const at::Tensor& q) {
+  if (!mask.has_value()) return nullptr;
+  keep = mask->to(at::kBool).contiguous();
+  TORCH_CHECK(keep.dim() == 2 && keep.size(0) == q.size(0) && keep.size(1) == q.size(1),
+              "padding mask must be (B, T)");
+  return keep.data_ptr<bool>();
 }
 
 }  // namespace aftlab
