@@ -8,4 +8,10 @@ Layout:
     aftlab.data, aftlab.train, aftlab.cli, aftlab.bench   using them for real
 """
 
-__version__ = "0.1.0"
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__: str = version("aftlab")  # one source of truth: pyproject.toml's version
+except PackageNotFoundError:  # pragma: no cover - src/ on sys.path without an install
+    __version__ = "0+unknown"
+del PackageNotFoundError, version

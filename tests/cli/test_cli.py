@@ -9,7 +9,7 @@ from aftlab.cli import main
 
 from ..train.helpers import TINY, run_aftlab, write_text
 
-SUBCOMMANDS = ["train", "eval", "sample", "compare", "plot", "bench"]
+SUBCOMMANDS = ["train", "eval", "sample", "compare", "plot", "bench", "kernels", "export"]
 
 
 def _error_line(capsys):

@@ -177,6 +177,25 @@ def test_magnitudes_1e4_float32(causal):
         _check_conv(a, causal)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("causal", [True, False])
+def test_local_factorised_and_exact_rows_in_one_sequence(dtype, causal):
+    """The forward factorises exp(k + w) over (band key, channel) with a per-channel shift b.
+
+    Rising keys raise the causal b at almost every step (the ring's exp(k - b) are recomputed);
+    a key of 100 before a band whose biases reach 100 on small keys leaves the factorised den
+    below its floor (exp(-100) flushes in float32), so those rows take the exact path.
+    """
+    T, d = 200, 5
+    q, k, v, w = (x.detach() for x in _local_inputs(2, T, d, dtype=dtype, seed=3))
+    t = torch.arange(T, dtype=dtype)
+    k = k + (0.05 * t)[None, :, None]  # rising keys
+    k[:, 60] = 100.0
+    w[120:140] += 100.0 * (torch.rand(20, T, generator=torch.Generator().manual_seed(4)) > 0.5)
+    args = [x.requires_grad_() for x in (q, k, v, w)]
+    _check_local(args, 8, causal, _mask(2, T))
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_near_float32_max_stays_finite(causal):
     big = torch.finfo(torch.float32).max

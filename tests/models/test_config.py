@@ -32,6 +32,7 @@ def _custom() -> TransformerConfig:
         tie_embeddings=False,
         layer_norm_eps=1e-6,
         final_norm=False,
+        init="torch",
     )
 
 
@@ -93,6 +94,7 @@ BAD = [
     ("norm", "sandwich"),
     ("activation", "swish"),
     ("positional", "alibi"),
+    ("init", "xavier"),
     ("mixer", 3),
     ("mixer_options", ["window", 8]),
     ("dropout", 1.0),

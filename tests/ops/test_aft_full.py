@@ -15,6 +15,8 @@ from aftlab.testing import assert_close
 
 aft_full_module = importlib.import_module("aftlab.ops.aft_full")
 
+pytestmark = pytest.mark.usefixtures("impl")  # the C++ kernel and the PyTorch op (conftest)
+
 
 @pytest.fixture(autouse=True)
 def _one_thread():
@@ -57,6 +59,7 @@ def test_matches_reference(T, causal, dtype):
 def test_causal_block_pairs(monkeypatch):
     """Many small causal blocks: block-triangular products, key shifts, padding, rescue."""
     monkeypatch.setattr(aft_full_module, "_CAUSAL_BLOCK", (4, 4))
+    monkeypatch.setattr(aft_full_module, "_KERNEL_CAUSAL_BLOCK", (4, 4))
     B, T, d = 2, 19, 3
     pm = torch.ones(B, T, dtype=torch.bool)
     pm[0, :6] = False  # whole first block padded in row 0
@@ -95,24 +98,36 @@ def test_gradcheck(causal):
     assert torch.autograd.gradcheck(lambda *a: aft_full(*a, causal=causal), xs)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_gradcheck_exact_rescue_path(causal, monkeypatch):
-    """Key and bias maximisers that disagree make the factorised denominator underflow."""
+def _exact_rows(impl, monkeypatch, q, k, v, w, causal):
+    """Rows (b, t) the op computes on its exact path (the factorised denominator underflowed):
+    the kernel reports them (its output ``fb``), the PyTorch op's rescue is counted."""
+    if impl == "kernel":
+        T = q.shape[1]
+        fb = torch.ops.aftlab.full(q, k, v, w[:T, :T], None, causal, 256, False)[3]
+        return int(fb.sum())
     calls = []
     real = aft_full_module._rescue_forward
     monkeypatch.setattr(aft_full_module, "_rescue_forward", lambda *a: calls.append(1) or real(*a))
+    aft_full(q, k, v, w, causal=causal)
+    monkeypatch.undo()
+    return len(calls)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradcheck_exact_rescue_path(causal, monkeypatch, impl):
+    """Key and bias maximisers that disagree make the factorised denominator underflow."""
     q, k, v, w = _inputs(1, 5, 3)
     k[0, 0] += 800.0  # key 0 is the largest ...
     w[:, 0] -= 800.0  # ... but every query's bias kills it
+    assert _exact_rows(impl, monkeypatch, q, k, v, w, causal), "the exact path was not taken"
     xs = [x.requires_grad_() for x in (q, k, v, w)]
     assert torch.autograd.gradcheck(lambda *a: aft_full(*a, causal=causal), xs)
-    assert calls, "the exact rescue path was not exercised"
 
 
-def test_typical_inputs_take_the_fast_path(monkeypatch):
-    monkeypatch.setattr(aft_full_module, "_rescue_forward", lambda *a: pytest.fail("rescued"))
-    y = aft_full(*_inputs(2, 64, 8, scale=3.0, dtype=torch.float32), causal=True)
-    assert torch.isfinite(y).all()
+def test_typical_inputs_take_the_fast_path(monkeypatch, impl):
+    q, k, v, w = _inputs(2, 64, 8, scale=3.0, dtype=torch.float32)
+    assert _exact_rows(impl, monkeypatch, q, k, v, w, True) == 0
+    assert torch.isfinite(aft_full(q, k, v, w, causal=True)).all()
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -29,9 +29,10 @@ from aftlab.testing import assert_close
 
 try:  # ops with a fused C++ kernel also have a pure-PyTorch implementation: test both
     from aftlab.kernels import OPS as KERNEL_OPS
+    from aftlab.kernels import load as kernels_load
     from aftlab.kernels import use_kernels
 except ImportError:  # pragma: no cover - a tree without aftlab.kernels
-    KERNEL_OPS, use_kernels = (), None
+    KERNEL_OPS, use_kernels, kernels_load = (), None, None
 
 aft_full_module = importlib.import_module("aftlab.ops.aft_full")
 
@@ -172,28 +173,52 @@ def test_largest_finite_keys_and_biases_give_finite_outputs(op, causal):
     assert_close("y", y, ref)
 
 
-def test_unsafe_diagonal_keys_take_the_exact_path(monkeypatch):
-    """A diagonal key far above the block's shift (finite inputs) is recomputed exactly."""
+def _exact_rows(impl, monkeypatch, q, k, v, w):
+    """Rows causal AFT-full computes on its exact path: the kernel's output ``fb`` (C++), the
+    calls of the float64 rescue (PyTorch)."""
+    if impl == "kernel":
+        block = aft_full_module._causal_block_size(q.shape[1], kernel=True)
+        fb = torch.ops.aftlab.full(q, k, v, w, None, True, block, False)[3]
+        return int(fb.sum())
     calls = []
     real = aft_full_module._rescue_forward
     monkeypatch.setattr(aft_full_module, "_rescue_forward", lambda *a: calls.append(1) or real(*a))
+    with use_kernels(False):
+        aft_full(q, k, v, w, causal=True)
+    monkeypatch.undo()
+    return len(calls)
+
+
+FULL_IMPLS = ["kernel", "pytorch"] if "aft_full" in KERNEL_OPS else ["pytorch"]
+
+
+@pytest.mark.parametrize("impl", FULL_IMPLS)
+def test_unsafe_diagonal_keys_take_the_exact_path(monkeypatch, impl):
+    """A diagonal key far above the block's shift (finite inputs) is recomputed exactly."""
+    if impl == "kernel" and not kernels_load():
+        pytest.skip("kernels unavailable")
     g = torch.Generator().manual_seed(6)
     q, k, v = torch.randn(3, 1, 9, 2, generator=g, dtype=torch.float64).unbind(0)
     w = torch.randn(9, 9, generator=g, dtype=torch.float64)
     k[0, 0], k[0, 4] = -60.0, 60.0  # key 4 is e^120 times the block's shift (key 0)
+    assert _exact_rows(impl, monkeypatch, q, k, v, w), "the exact path was not taken"
     xs = [x.requires_grad_() for x in (q, k, v, w)]
-    y = aft_full(*xs, causal=True)
-    assert calls, "the exact path was not taken"
-    assert_close("y", y, aft_full_reference(*xs, causal=True))
-    assert torch.autograd.gradcheck(lambda *a: aft_full(*a, causal=True), xs)
+    with use_kernels(impl == "kernel"):
+        y = aft_full(*xs, causal=True)
+        assert_close("y", y, aft_full_reference(*xs, causal=True))
+        assert torch.autograd.gradcheck(lambda *a: aft_full(*a, causal=True), xs)
 
 
+@pytest.mark.parametrize("impl", FULL_IMPLS)
 @pytest.mark.parametrize("which", ["k", "v"])
-def test_a_nan_input_is_not_recomputed_exactly(which, monkeypatch):
-    """NaN outputs are NaN from the fast path: the float64 rescue (slow) is for finite inputs."""
-    monkeypatch.setattr(aft_full_module, "_rescue_forward", lambda *a: pytest.fail("rescued"))
+def test_a_nan_input_is_not_recomputed_exactly(which, monkeypatch, impl):
+    """NaN outputs are NaN from the fast path: the exact path (slow) is for finite inputs."""
+    if impl == "kernel" and not kernels_load():
+        pytest.skip("kernels unavailable")
     x = _qkv()
     x[which][0, 10, 1] = float("nan")  # before the 2nd and 3rd blocks' key shift
-    y = aft_full(x["q"], x["k"], x["v"], _W, causal=True)
+    assert _exact_rows(impl, monkeypatch, x["q"], x["k"], x["v"], _W) == 0
+    with use_kernels(impl == "kernel"):
+        y = aft_full(x["q"], x["k"], x["v"], _W, causal=True)
     assert y[0, 10:, 1].isnan().all() and not y[0, :10].isnan().any()
     assert not y[:, :, [0, 2, 3]].isnan().any() and not y[1].isnan().any()

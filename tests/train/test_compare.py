@@ -48,10 +48,13 @@ def test_format_table():
             "peak_memory_bytes": None,
         },
     ]
+    rows[0].update(lr=2e-3, val_metric=2.25)
     table = format_table(rows, "bpb", "cpu").splitlines()
-    assert table[0] == "| mixer | parameters | test bpb | train tokens/s | peak memory (cpu) |"
-    assert table[2] == "| attention | 1,234 | 2.5000 | 1,000 | 3 MiB |"
-    assert table[3] == "| (unigram baseline) | 255 | 5.0000 |  |  |"
+    assert table[0] == (
+        "| mixer | parameters | lr | val bpb | test bpb | train tokens/s | peak memory (cpu) |"
+    )
+    assert table[2] == "| attention | 1,234 | 0.002 | 2.2500 | 2.5000 | 1,000 | 3 MiB |"
+    assert table[3] == "| (unigram baseline) | 255 |  |  | 5.0000 |  |  |"
 
 
 @pytest.mark.slow

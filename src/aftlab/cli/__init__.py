@@ -1,4 +1,4 @@
-"""The ``aftlab`` command line: train, eval, sample, compare, plot, bench, kernels.
+"""The ``aftlab`` command line: train, eval, sample, compare, plot, bench, kernels, export.
 
 Every subcommand has ``--help``. Bad input (a missing data path, an unknown key, a damaged
 checkpoint, ...) prints one line ``aftlab: error: <what is wrong> (<what to do>)`` to stderr and
@@ -25,7 +25,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``aftlab`` and its subcommands."""
-    from . import commands, kernels
+    from . import commands, export, kernels
 
     parser = _Parser(
         prog="aftlab",
@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_plot(sub)
     commands.add_bench(sub)
     kernels.add_kernels(sub)
+    export.add_export(sub)
     return parser
 
 

@@ -182,6 +182,18 @@ def add_train(sub) -> None:
     p.add_argument(
         "--resume", action="store_true", help="continue the run in --out from its newest checkpoint"
     )
+    p.add_argument(
+        "--log",
+        choices=("jsonl", "tensorboard"),
+        help="jsonl (default): metrics.jsonl; tensorboard: also TensorBoard event files in "
+        "RUN_DIR/tb (pip install 'aftlab[tensorboard]')",
+    )
+    p.add_argument(
+        "--parallel",
+        choices=("ddp", "fsdp"),
+        help="under torchrun: ddp (default; a full model per process) or fsdp (FSDP2: weights, "
+        "gradients and optimizer state sharded over the processes; docs/training.md)",
+    )
     p.set_defaults(func=cmd_train)
 
 
@@ -198,7 +210,7 @@ def resolve_train_config(args: argparse.Namespace):
     from ..train.config import TrainConfig, apply_overrides, load_config
 
     check_config_file(args.config)
-    overrides = _overrides(args, ("task", "mixer", "data", "out", "steps"))
+    overrides = _overrides(args, ("task", "mixer", "data", "out", "steps", "log", "parallel"))
     if not args.resume:
         return load_config(args.config, overrides)
     out = args.out
@@ -365,12 +377,13 @@ def add_compare(sub) -> None:
         "compare",
         help="train one model per mixer on equal budgets and tabulate",
         description="Train one model per mixer with the same size, data and budget, then write "
-        "results.md (mixer, parameters, test metric, training tokens/s, peak memory; a "
-        "unigram baseline "
-        "for text tasks), results.json and loss_curves.png into the output folder, and print "
-        "the table.",
-        epilog="example: aftlab compare --task text --mixers attention,aft-local,aft-simple "
-        "--steps 200",
+        "results.md (mixer, parameters, chosen lr, validation and test metric as mean ± sample "
+        "std over seeds, training tokens/s, peak memory; a unigram baseline for text tasks), "
+        "results.json, results.csv, loss_curves.png and throughput.png (tokens/s, peak "
+        "memory) into the output folder, and print the table. With --lrs the rate is chosen "
+        "on the validation split, never the test split.",
+        epilog="example: aftlab compare --task text --mixers attention,aft-local:window=16 "
+        "--steps 200 --seeds 2 --lrs 1e-3,2e-3,4e-3 --equal-params",
     )
     _config_args(
         p,
@@ -378,15 +391,48 @@ def add_compare(sub) -> None:
         "is continued: finished models are kept, unfinished ones resumed",
     )
     p.add_argument(
-        "--mixers", help="comma-separated mixers (default: attention and every AFT variant)"
+        "--mixers",
+        help="comma-separated mixers, each NAME or NAME:KEY=VALUE[:KEY=VALUE] with mixer options "
+        "(e.g. aft-local:window=8); default: attention and every AFT variant",
+    )
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        metavar="N",
+        help="train every mixer (at every rate) with N seeds: seed, seed+1, ...; report mean ± "
+        "sample std and min-max (default 1)",
+    )
+    p.add_argument(
+        "--lrs",
+        metavar="A,B,...",
+        help="train every mixer at each of these learning rates and keep, per mixer, the one "
+        "with the best mean validation metric (default: the config's lr)",
+    )
+    p.add_argument(
+        "--equal-params",
+        action="store_true",
+        help="set each mixer's feed-forward width d_ff so its parameter count is nearest "
+        "attention's (within half a d_ff unit)",
+    )
+    p.add_argument(
+        "--sample",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the table, print N bytes sampled from the model with the best test metric "
+        "(text tasks; default 0: none)",
     )
     p.set_defaults(func=cmd_compare)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from ..train.compare import DEFAULT_MIXERS, run_compare
+    from ..train.compare import DEFAULT_MIXERS, parse_lrs, run_compare, sample_best
     from ..train.config import load_config
 
+    if args.seeds < 1:
+        raise UsageError(f"--seeds must be a positive integer, got {args.seeds}")
+    lrs = parse_lrs(check_text(args.lrs, "--lrs")) if args.lrs is not None else None
     check_config_file(args.config)
     overrides = _overrides(args, ("task", "data", "steps"))
     base = load_config(args.config, overrides)
@@ -398,8 +444,21 @@ def cmd_compare(args: argparse.Namespace) -> int:
     out = check_out_dir(
         args.out or os.path.join("runs", f"compare-{base.task}-{time.strftime('%Y%m%d-%H%M%S')}")
     )
-    table = run_compare(base, mixers, out)
-    print(table)
+    table = run_compare(
+        base,
+        mixers,
+        out,
+        seeds=args.seeds,
+        lrs=lrs,
+        equal_params=args.equal_params,
+        sample=args.sample,
+    )
+    print(table, flush=True)
+    if args.sample:
+        sample_best(out, args.sample, out=sys.stdout, seed=base.seed)
+    plots = [n for n in ("loss_curves.png", "throughput.png") if (out / n).is_file()]
+    plots_text = f"plots ({', '.join(plots)})" if plots else "no plots (pip install 'aftlab[plot]')"
+    print(f"results.md, {plots_text} and a run folder per model: {out}{os.sep}")
     return 0
 
 

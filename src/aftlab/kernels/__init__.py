@@ -1,8 +1,8 @@
 """Fused C++ CPU kernels for the AFT ops, compiled on first use (see docs/kernels.md).
 
 Each public op (:func:`aftlab.ops.aft_simple`, :func:`aftlab.ops.aft_decay`,
-:func:`aftlab.ops.aft_local` and 1-D :func:`aftlab.ops.aft_conv`) asks
-:func:`enabled` whether to run its kernel (``torch.ops.aftlab.*``) or its pure-PyTorch
+:func:`aftlab.ops.aft_local`, 1-D :func:`aftlab.ops.aft_conv` and :func:`aftlab.ops.aft_full`)
+asks :func:`enabled` whether to run its kernel (``torch.ops.aftlab.*``) or its pure-PyTorch
 implementation. The kernels run when all of these hold:
 
 * they are not switched off: ``use_kernels(False)`` (a context manager, or a setter for the
@@ -29,7 +29,7 @@ from . import _build, _ops, band
 __all__ = ["use_kernels", "enabled", "load", "status", "OPS", "band"]
 
 #: The public ops that have a kernel.
-OPS = ("aft_simple", "aft_decay", "aft_local", "aft_conv")
+OPS = ("aft_simple", "aft_decay", "aft_local", "aft_conv", "aft_full")
 
 _forced: bool | None = None  # set by use_kernels
 _loaded: bool | None = None  # None: not tried yet

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from .._autograd import keep_inputs, once_differentiable
+
 _LOW = (torch.float16, torch.bfloat16)
 
 
@@ -74,13 +76,9 @@ def register() -> None:
         dq, dk, dv, dlam, du = torch.ops.aftlab.decay_backward(gy, q, v, y, r, w)
         return dq, dk, dv, dlam, du, None, None
 
-    torch.library.register_autograd(
-        lib + "simple_causal", backward_simple_causal, setup_context=setup_simple_causal
-    )
-    torch.library.register_autograd(
-        lib + "simple_global", backward_simple_global, setup_context=setup_simple_global
-    )
-    torch.library.register_autograd(lib + "decay", backward_decay, setup_context=setup_decay)
+    _register_autograd("simple_causal", backward_simple_causal, setup_simple_causal)
+    _register_autograd("simple_global", backward_simple_global, setup_simple_global)
+    _register_autograd("decay", backward_decay, setup_decay)
 
     @torch.library.register_fake(lib + "band")
     def _(q, k, v, w, lo, hi, causal, mask, save):
@@ -102,7 +100,51 @@ def register() -> None:
         )
         return dq, dk, dv, dw, None, None, None, None, None
 
-    torch.library.register_autograd(lib + "band", backward_band, setup_context=setup_band)
+    _register_autograd("band", backward_band, setup_band)
+
+    @torch.library.register_fake(lib + "full")
+    def _(q, k, v, w, mask, causal, block, save):
+        B, T, d = q.shape
+        n = (T + block - 1) // block if causal else 1
+        saved = q.shape if save else (0,)
+        return (
+            torch.empty_like(q),
+            q.new_empty(saved),
+            q.new_empty(saved),
+            q.new_empty(B, T, dtype=torch.bool),
+            q.new_empty(B, d, dtype=torch.long),
+            q.new_empty(n, B, d),
+        )
+
+    @torch.library.register_fake(lib + "full_backward")
+    def _(gy, q, k, v, w, mask, a, inv, fb, sh, causal, block):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(w)
+
+    def setup_full(ctx, inputs, output):
+        q, k, v, w, mask, ctx.causal, ctx.block, _ = inputs
+        _, a, inv, fb, _, sh = output
+        ctx.save_for_backward(q, k, v, w, mask, a, inv, fb, sh)
+
+    def backward_full(ctx, gy, *_):
+        q, k, v, w, mask, a, inv, fb, sh = ctx.saved_tensors
+        dq, dk, dv, dw = torch.ops.aftlab.full_backward(
+            gy, q, k, v, w, mask, a, inv, fb, sh, ctx.causal, ctx.block
+        )
+        return dq, dk, dv, dw, None, None, None, None
+
+    _register_autograd("full", backward_full, setup_full)
+
+
+def _register_autograd(name: str, backward, setup) -> None:
+    """Register ``backward`` for ``aftlab::name``, differentiable once (the backward kernels
+    have no derivative of their own; a second derivative raises, see :mod:`aftlab._autograd`)."""
+
+    def setup_context(ctx, inputs, output):
+        keep_inputs(ctx, *inputs)
+        setup(ctx, inputs, output)
+
+    once = once_differentiable(f"aftlab::{name} (C++ kernel)")(backward)
+    torch.library.register_autograd("aftlab::" + name, once, setup_context=setup_context)
 
 
 def _needs_grad(*tensors: torch.Tensor) -> bool:
@@ -128,4 +170,16 @@ def aft_decay(q, k, v, decay, bonus, *, padding_mask):
     q, k, v, decay, bonus = (t.to(cdt) for t in (q, k, v, decay, bonus))
     save = _needs_grad(q, k, v, decay, bonus)
     y, _, _ = torch.ops.aftlab.decay(q, k, v, decay, bonus, padding_mask, save)
+    return y.to(out_dtype)
+
+
+def aft_full(q, k, v, w, *, causal: bool, padding_mask, block: int):
+    """Kernel of :func:`aftlab.ops.aft_full` (inputs already validated, ``T >= 1``); ``block``:
+    query rows per causal block."""
+    out_dtype = q.dtype
+    cdt = torch.float32 if out_dtype in _LOW else out_dtype
+    T = q.shape[1]
+    q, k, v, w = (t.to(cdt) for t in (q, k, v, w[:T, :T]))
+    save = _needs_grad(q, k, v, w)
+    y = torch.ops.aftlab.full(q, k, v, w, padding_mask, bool(causal), block, save)[0]
     return y.to(out_dtype)

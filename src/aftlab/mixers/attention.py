@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import check_positive_int
-from .base import SequenceMixer
+from .base import SequenceMixer, mark_residual_projection
 from .registry import register_mixer
 
 __all__ = [
@@ -127,7 +127,8 @@ class MultiHeadAttention(SequenceMixer):
 
     Formula in the module docstring. The projections are one fused ``qkv: d -> 3 H m`` (the
     layout of GPT-2's ``c_attn``: all query heads, then keys, then values) and
-    ``out_proj: H m -> d``; dropout (``dropout``) is applied to the output.
+    ``out_proj: H m -> d`` (marked a residual projection); dropout (``dropout``) is applied to
+    the output. No parameters beyond these linear layers (the init hook does nothing).
 
     Args:
         head_dim: per-head width ``m``; default ``d_model // n_heads``. ``n_heads * head_dim``
@@ -180,7 +181,7 @@ class MultiHeadAttention(SequenceMixer):
         self.rotary_base = float(rotary_base)
         inner = self.n_heads * self.head_dim
         self.qkv = nn.Linear(self.d_model, 3 * inner, bias=self.bias)
-        self.out_proj = nn.Linear(inner, self.d_model, bias=self.bias)
+        self.out_proj = mark_residual_projection(nn.Linear(inner, self.d_model, bias=self.bias))
         self.drop = nn.Dropout(self.dropout_p)
 
     @property

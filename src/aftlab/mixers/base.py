@@ -17,6 +17,11 @@ Conventions:
       (equal, within float tolerance, to ``T`` calls of ``step``). Every built-in mixer does this
       in one parallel pass, ``forward(x, return_state=True)``; a mixer whose ``forward`` has no
       ``return_state`` keyword is prefilled by ``T`` calls of ``step``.
+    * Initialisation: a model built on mixers (:mod:`aftlab.models`) first initialises every
+      ``nn.Linear`` the GPT-2 way (weights ``N(0, 0.02^2)``, biases 0; the linear layers marked
+      with :func:`mark_residual_projection` ``N(0, (0.02 / sqrt(2 N))^2)``), then calls each
+      mixer's :meth:`SequenceMixer.reset_parameters`, the hook where a mixer (re)initialises the
+      parameters that have a meaning of their own (decays, position biases, kernels).
 """
 
 from __future__ import annotations
@@ -29,9 +34,30 @@ from torch import nn
 
 from .._checks import check_padding_mask, check_positive_int, check_tensor
 
-__all__ = ["SequenceMixer", "MixerState"]
+__all__ = ["SequenceMixer", "MixerState", "mark_residual_projection", "is_residual_projection"]
 
 MixerState = Any  # each mixer defines its own state type (a small dataclass of tensors)
+
+#: the attribute :func:`mark_residual_projection` sets on a layer
+_RESIDUAL = "residual_projection"
+
+
+def mark_residual_projection(layer: nn.Linear) -> nn.Linear:
+    """Mark ``layer`` as the last linear layer of a residual branch; returns ``layer``.
+
+    A residual branch's output projection (a mixer's ``W^O``, the feed-forward's ``W_2``) adds
+    straight into the residual stream; GPT-2 initialises it ``N(0, (0.02 / sqrt(2 N))^2)`` for
+    ``N`` blocks (``2 N`` branches), so that the ``2 N`` branches together add a depth-independent
+    amount to the stream's variance. The mark is the attribute
+    ``layer.residual_projection = True``.
+    """
+    setattr(layer, _RESIDUAL, True)
+    return layer
+
+
+def is_residual_projection(module: nn.Module) -> bool:
+    """True for a layer marked by :func:`mark_residual_projection`."""
+    return bool(getattr(module, _RESIDUAL, False))
 
 
 class SequenceMixer(nn.Module):
@@ -79,6 +105,18 @@ class SequenceMixer(nn.Module):
         self.max_seq_len = max_seq_len
         self.dropout_p = float(dropout)
         self.bias = bool(bias)
+
+    # ----------------------------------------------------------------- initialisation
+    def reset_parameters(self) -> None:
+        """(Re)initialise the parameters this mixer owns beyond its ``nn.Linear`` layers.
+
+        The initialisation hook. A mixer calls it at the end of its constructor; a model calls
+        it again after its generic scheme has (re)drawn every ``nn.Linear``, so the parameters
+        with a meaning of their own keep it: ``aft-decay``'s decays and bonus, the position
+        factors ``U, V`` of ``aft-full``/``aft-local``, ``aft-conv``'s kernel ``w``, ``gamma``
+        and ``beta``. A subclass whose ``nn.Linear`` layers need a special initialisation
+        redoes it here too. The base mixer has nothing of its own: it does nothing.
+        """
 
     # ----------------------------------------------------------------- validation
     def _check_input(

@@ -11,6 +11,7 @@ from torch import nn
 
 from .._checks import check_tensor
 from ..mixers import MixerState, SequenceMixer, build_mixer, get_mixer_class
+from ..mixers.base import mark_residual_projection
 from .config import TransformerConfig
 
 __all__ = ["FeedForward", "TransformerBlock", "mixer_options"]
@@ -77,7 +78,8 @@ class FeedForward(nn.Module):
     """Position-wise feed-forward: ``FF(x) = dropout(act(x W_1 + b_1) W_2 + b_2)``.
 
     ``W_1: d -> r``, ``W_2: r -> d``; ``act`` is ReLU, GELU (erf) or GELU (tanh approximation,
-    GPT-2's ``gelu_new``). Shapes: ``(..., d) -> (..., d)``.
+    GPT-2's ``gelu_new``). Shapes: ``(..., d) -> (..., d)``. ``fc2`` (``W_2``) is marked a
+    residual projection (:func:`~aftlab.mixers.base.mark_residual_projection`).
     """
 
     def __init__(
@@ -90,7 +92,7 @@ class FeedForward(nn.Module):
             "gelu": nn.GELU(),
             "gelu_tanh": nn.GELU(approximate="tanh"),
         }[activation]
-        self.fc2 = nn.Linear(d_ff, d_model, bias=bias)
+        self.fc2 = mark_residual_projection(nn.Linear(d_ff, d_model, bias=bias))
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

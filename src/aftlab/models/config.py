@@ -12,6 +12,7 @@ __all__ = ["TransformerConfig"]
 _NORMS = ("pre", "post", "none")
 _ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
 _POSITIONAL = ("learned", "sinusoidal", "rotary", "none")
+_INITS = ("gpt2", "torch")
 
 
 def _fail(name: str, expected: str, got: Any) -> None:
@@ -46,6 +47,11 @@ class TransformerConfig:
         tie_embeddings: share the token embedding with the output head.
         layer_norm_eps: LayerNorm epsilon.
         final_norm: LayerNorm after the last block (pre-LN models).
+        init: weight initialisation: ``"gpt2"`` (linear weights and embeddings
+            ``N(0, 0.02^2)``, residual projections ``N(0, (0.02/sqrt(2 N))^2)``, biases 0, then
+            each mixer's own hook; docs/transformer.md) or ``"torch"`` (PyTorch's default for
+            the linear layers, embeddings ``N(0, 0.02^2)``: the scheme before GPT-2's was adopted,
+            kept to measure against).
     """
 
     vocab_size: int = 256
@@ -67,6 +73,7 @@ class TransformerConfig:
     tie_embeddings: bool = True
     layer_norm_eps: float = 1e-5
     final_norm: bool = True
+    init: str = "gpt2"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
@@ -89,6 +96,8 @@ class TransformerConfig:
             _fail("activation", f"one of {_ACTIVATIONS}", self.activation)
         if self.positional not in _POSITIONAL:
             _fail("positional", f"one of {_POSITIONAL}", self.positional)
+        if self.init not in _INITS:
+            _fail("init", f"one of {_INITS}", self.init)
         if not isinstance(self.mixer, str):
             _fail("mixer", "a registered mixer name (str)", self.mixer)
         if not isinstance(self.mixer_options, dict):

@@ -5,7 +5,8 @@ All three share :class:`TransformerBackbone`: token embedding ``E``, positional 
 final LayerNorm. Batch-first: tokens ``(B, T)`` long, hidden states ``(B, T, d)``.
 
 ``h_0 = dropout(E[idx] + P[0:T])``, ``h_l = Block_l(h_{l-1})``, ``h = LN_f(h_N)``; the LM's
-logits are ``h E^T`` with a tied head (``config.tie_embeddings``).
+logits are ``h E^T`` with a tied head (``config.tie_embeddings``). Initialisation:
+:func:`init_weights` (``config.init``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import check_choice, check_padding_mask, check_positive_int
-from ..mixers import MixerState
+from ..mixers import MixerState, SequenceMixer
+from ..mixers.base import is_residual_projection
 from .blocks import FeedForward, TransformerBlock, mixer_options
 from .config import TransformerConfig
 from .generation import check_sampling_args, sample_next_token
@@ -29,6 +31,7 @@ from .positional import sinusoidal_positions
 __all__ = [
     "TransformerBackbone",
     "TransformerBlock",
+    "init_weights",
     "FeedForward",
     "DecodingCache",
     "TransformerLM",
@@ -90,6 +93,48 @@ def _check_padding_mask(
     return check_padding_mask(where, mask, tuple(idx.shape[:2]), "idx", idx)
 
 
+# --------------------------------------------------------------------------- initialisation
+#: GPT-2's standard deviation of linear weights and embeddings
+INIT_STD = 0.02
+
+
+@torch.no_grad()
+def init_weights(module: nn.Module, config: TransformerConfig) -> None:
+    """Initialise ``module`` and its submodules by ``config.init`` (docs/transformer.md).
+
+    ``"gpt2"`` (GPT-2, Radford et al. 2019), with ``N = config.n_layers``:
+
+    * every ``nn.Linear`` weight ``~ N(0, 0.02^2)``; a residual projection (a mixer's ``W^O``,
+      the feed-forward's ``W_2``: :func:`~aftlab.mixers.base.mark_residual_projection`)
+      ``~ N(0, (0.02 / sqrt(2 N))^2)``; every linear bias 0;
+    * every ``nn.Embedding`` (tokens, learned positions) ``~ N(0, 0.02^2)``;
+    * every LayerNorm ``gamma = 1``, ``beta = 0``;
+    * then each mixer's :meth:`~aftlab.mixers.SequenceMixer.reset_parameters` (its own
+      parameters: decays, position biases, kernels), so that they keep their meaning.
+
+    ``"torch"``: only the embeddings are drawn ``N(0, 0.02^2)``; the linear layers, LayerNorms
+    and mixers keep what their constructors gave them (PyTorch's ``nn.Linear`` default:
+    ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))`` for weights and biases).
+    """
+    gpt2 = config.init == "gpt2"
+    residual_std = INIT_STD / math.sqrt(2 * config.n_layers)
+    for m in module.modules():
+        if isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=INIT_STD)
+        elif gpt2 and isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=residual_std if is_residual_projection(m) else INIT_STD)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif gpt2 and isinstance(m, nn.LayerNorm) and m.elementwise_affine:
+            nn.init.ones_(m.weight)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+    if gpt2:
+        for m in module.modules():
+            if isinstance(m, SequenceMixer):
+                m.reset_parameters()
+
+
 # --------------------------------------------------------------------------- backbone
 @dataclass
 class DecodingCache:
@@ -113,8 +158,7 @@ class TransformerBackbone(nn.Module):
     Positional encodings (``config.positional``): ``"learned"`` adds a trained table
     ``P in R^{T_max x d}``; ``"sinusoidal"`` adds :func:`sinusoidal_positions`; ``"rotary"``
     rotates queries and keys inside the mixer (needs a mixer accepting ``rotary``); ``"none"``
-    adds nothing. Embeddings are initialised ``N(0, 0.02^2)`` (GPT-2); mixers and linear layers
-    keep their own initialisation.
+    adds nothing. Initialised by :func:`init_weights` (``config.init``; GPT-2's by default).
 
     Args:
         config: the model config.
@@ -137,9 +181,7 @@ class TransformerBackbone(nn.Module):
         self.final_norm = (
             nn.LayerNorm(d, eps=config.layer_norm_eps) if config.final_norm else nn.Identity()
         )
-        for emb in (self.token_embedding, self.position_embedding):
-            if emb is not None:
-                nn.init.normal_(emb.weight, std=0.02)
+        init_weights(self, config)
 
     def positions(self, length: int, offset: int, like: torch.Tensor) -> torch.Tensor | None:
         """Additive encodings ``(T, d)`` of positions ``offset .. offset+length-1`` (or None)."""
@@ -275,6 +317,8 @@ class TransformerLM(nn.Module):
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.head.weight = self.backbone.token_embedding.weight
+        else:
+            init_weights(self.head, config)
 
     def forward(
         self, idx: torch.Tensor, *, padding_mask: torch.Tensor | None = None
@@ -535,6 +579,7 @@ class TransformerClassifier(nn.Module):
         self.config = config
         self.backbone = TransformerBackbone(config, where=where)
         self.head = nn.Linear(config.d_model, num_classes)
+        init_weights(self.head, config)
 
     def forward(
         self, idx: torch.Tensor, *, padding_mask: torch.Tensor | None = None
@@ -606,6 +651,8 @@ class PixelTransformer(nn.Module):
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.head.weight = self.backbone.token_embedding.weight
+        else:
+            init_weights(self.head, config)
 
     def _flatten(self, pixels: torch.Tensor) -> torch.Tensor:
         where = type(self).__name__

@@ -50,7 +50,10 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
+from .._autograd import keep_inputs, once_differentiable
 from .._checks import check_compatible, check_padding_mask, check_tensor
+from ._numerics import compute_dtype, finite_shift, lse_merge, shift_along
+from .reference import biased_average_reference
 from .scan import stable_prefix_average
 
 __all__ = ["aft_conv", "aft_conv2d", "aft_conv_reference", "aft_conv2d_reference"]
@@ -59,49 +62,6 @@ _NEG_INF = float("-inf")
 
 
 # --------------------------------------------------------------------------- helpers
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _shift(x: torch.Tensor, d: int, dim: int, fill: float) -> torch.Tensor:
-    """``y[..., i, ...] = x[..., i + d, ...]`` along ``dim``; ``fill`` where out of range."""
-    n = x.shape[dim]
-    if d == 0:
-        return x
-    y = torch.full_like(x, fill)
-    if abs(d) < n:
-        if d > 0:
-            y.narrow(dim, 0, n - d).copy_(x.narrow(dim, d, n - d))
-        else:
-            y.narrow(dim, -d, n + d).copy_(x.narrow(dim, 0, n + d))
-    return y
-
-
-def _combine(terms: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge log-sum/average pairs: ``L = log sum_i e^{L_i}``, ``A = sum_i e^{L_i - L} A_i``.
-
-    A pair with ``L_i = -inf`` (an empty sum) contributes nothing; if all are empty the result is
-    ``(-inf, 0)``.
-    """
-    if len(terms) == 1:
-        return terms[0]
-    m = terms[0][0]
-    for L, _ in terms[1:]:
-        m = torch.maximum(m, L)
-    ms = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    den = torch.zeros_like(ms)
-    num = torch.zeros_like(terms[0][1])
-    for L, A in terms:
-        e = torch.exp(L - ms)
-        den = den + e
-        num = num + e * A
-    L = ms + torch.log(den)
-    A = torch.where(
-        den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(num)
-    )
-    return L, A
-
-
 def _scan(
     keys: torch.Tensor, vals: torch.Tensor, *, reverse: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,15 +92,15 @@ def _outside_box(
     Lp, Ap = (x.reshape(B, H, W, D) for x in _scan(k2, v2, reverse=False))
     Ls, As = (x.reshape(B, H, W, D) for x in _scan(k2, v2, reverse=True))
     # in the same row: columns < j - half (prefix at j - half - 1) and > j + half (suffix)
-    row = _combine(
+    row = lse_merge(
         [
-            (_shift(Lp, -(half + 1), 2, _NEG_INF), _shift(Ap, -(half + 1), 2, 0.0)),
-            (_shift(Ls, half + 1, 2, _NEG_INF), _shift(As, half + 1, 2, 0.0)),
+            (shift_along(Lp, half + 1, 2, _NEG_INF), shift_along(Ap, half + 1, 2, 0.0)),
+            (shift_along(Ls, -(half + 1), 2, _NEG_INF), shift_along(As, -(half + 1), 2, 0.0)),
         ]
     )
     # ... summed over the box's rows i - half .. i + half
     terms = [
-        (_shift(row[0], di, 1, _NEG_INF), _shift(row[1], di, 1, 0.0))
+        (shift_along(row[0], -di, 1, _NEG_INF), shift_along(row[1], -di, 1, 0.0))
         for di in range(-min(half, H - 1), min(half, H - 1) + 1)
     ]
     if H > half + 1:
@@ -148,9 +108,10 @@ def _outside_box(
         Lr, Ar = Lp[:, :, -1], Ap[:, :, -1]  # (B, H, D): each row's total
         Lu, Au = _scan(Lr, Ar, reverse=False)
         Ld, Ad = _scan(Lr, Ar, reverse=True)
-        for L, A, d in ((Lu, Au, -(half + 1)), (Ld, Ad, half + 1)):
-            terms.append((_shift(L, d, 1, _NEG_INF)[:, :, None], _shift(A, d, 1, 0.0)[:, :, None]))
-    L, A = _combine(terms)
+        for L, A, by in ((Lu, Au, half + 1), (Ld, Ad, -(half + 1))):
+            L, A = shift_along(L, by, 1, _NEG_INF), shift_along(A, by, 1, 0.0)
+            terms.append((L[:, :, None], A[:, :, None]))
+    L, A = lse_merge(terms)
     return L.expand(B, H, W, D), A.expand(B, H, W, D)
 
 
@@ -160,8 +121,8 @@ def _outside_causal(
     """Causal outside part over ``(B, T, D)``: sum over ``t' <= t - s`` (the prefix read at
     ``t - s``); with ``transpose``, over ``t' >= t + s`` (the suffix read at ``t + s``)."""
     L, A = _scan(keys, vals, reverse=transpose)
-    d = s if transpose else -s
-    return _shift(L, d, 1, _NEG_INF), _shift(A, d, 1, 0.0)
+    by = -s if transpose else s
+    return shift_along(L, by, 1, _NEG_INF), shift_along(A, by, 1, 0.0)
 
 
 @dataclass(frozen=True)
@@ -263,8 +224,9 @@ class _AFTConvFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, w, mask, geom: _Geometry):
+        keep_inputs(ctx, q, k, v, w)
         ctx.in_dtypes = (q.dtype, k.dtype, v.dtype, w.dtype)
-        cdt, ldt = _compute_dtype(q.dtype), torch.float64
+        cdt, ldt = compute_dtype(q.dtype), torch.float64
         # log-domain quantities (K, w, shifts, log-sums; ck channels) in float64, so K + w - m is
         # exact even at |K|, |w| ~ 1e4; value-weighted sums (c channels) in the compute dtype
         q, v = q.to(cdt), v.to(cdt)
@@ -279,7 +241,7 @@ class _AFTConvFunction(torch.autograd.Function):
         m = L_out
         for di, dj, n in geom.offsets:
             m = torch.maximum(m, geom.window(kp, di, dj) + wb[..., n, :])
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        m = finite_shift(m)
         # pass 2: den = sum e^{K + w - m}, num = sum e^{K + w - m} V (every exponent <= 0)
         den = torch.exp(L_out - m)
         num = den.to(cdt) * A_out
@@ -296,7 +258,7 @@ class _AFTConvFunction(torch.autograd.Function):
         return (torch.sigmoid(q) * O).to(ctx.in_dtypes[0])
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @once_differentiable("aft_conv")
     def backward(ctx, gY):
         q, k, v, w, Z, O = ctx.saved_tensors
         geom: _Geometry = ctx.geom
@@ -479,26 +441,6 @@ def aft_conv2d(
 
 
 # --------------------------------------------------------------------------- references
-def _biased_average_reference(q, k, v, bias, allowed):
-    """Float64 ``sigma(q_t) sum_t' softmax_t'(k_t' + bias[t, t']) v_t'`` over ``allowed[b, t, t']``.
-
-    ``q, v: (B, N, h, c)``, ``k: (B, N, h, ck)``, ``bias: (h, N, N)``, ``allowed: (B, N, N)`` bool.
-    A query with no allowed key gets 0.
-    """
-    q, k, v, bias = (x.double() for x in (q, k, v, bias))
-    rows = []
-    # unbind (not bias[:, t]) so that autograd does not build a (h, N, N) gradient per row
-    for t, (q_t, bias_t) in enumerate(zip(q.unbind(1), bias.unbind(1), strict=True)):
-        ok = allowed[:, t][:, :, None, None]  # (B, N, 1, 1)
-        logits = (k + bias_t.T[None, :, :, None]).masked_fill(~ok, _NEG_INF)
-        has = ok.any(1, keepdim=True)
-        logits = torch.where(has, logits, torch.zeros_like(logits))
-        e = torch.exp(logits - logits.amax(1, keepdim=True).detach())  # softmax over t'
-        p = e / e.sum(1, keepdim=True) * has
-        rows.append(torch.sigmoid(q_t) * (p * v).sum(1))
-    return torch.stack(rows, 1)
-
-
 def aft_conv_reference(q, k, v, w, *, causal: bool = False, padding_mask=None) -> torch.Tensor:
     """Float64 per-position loop straight from the formula of :func:`aft_conv` (slow; for tests).
 
@@ -511,15 +453,12 @@ def aft_conv_reference(q, k, v, w, *, causal: bool = False, padding_mask=None) -
     idx = torch.arange(T)
     j = idx[None, :] - idx[:, None] + lo  # (t, t') kernel index
     inside = (j >= 0) & (j < s)
-    bias = torch.where(
-        inside[None], w.double()[:, j.clamp(0, s - 1)], torch.zeros((), dtype=torch.float64)
+    bias = torch.where(inside[None], w.double()[:, j.clamp(0, s - 1)], 0.0)  # (h, T, T)
+    rows = [b.T[:, :, None] for b in bias.unbind(1)]  # (T, h, 1) per query; unbind: one backward
+    return biased_average_reference(
+        q.cpu(), k.cpu(), v.cpu(), rows.__getitem__,
+        causal=causal, padding_mask=None if padding_mask is None else padding_mask.cpu(),
     )
-    allowed = torch.ones(B, T, T, dtype=torch.bool)
-    if causal:
-        allowed &= idx[None, :, None] >= idx[None, None, :]
-    if padding_mask is not None:
-        allowed &= padding_mask.cpu()[:, None, :]
-    return _biased_average_reference(q.cpu(), k.cpu(), v.cpu(), bias, allowed)
 
 
 def aft_conv2d_reference(q, k, v, w, *, padding_mask=None) -> torch.Tensor:
@@ -532,13 +471,10 @@ def aft_conv2d_reference(q, k, v, w, *, padding_mask=None) -> torch.Tensor:
     a = r[None, :] - r[:, None] + P  # (x, x') kernel row
     b = col[None, :] - col[:, None] + P
     inside = (a >= 0) & (a < s) & (b >= 0) & (b < s)
-    bias = torch.where(
-        inside[None],
-        w.double()[:, a.clamp(0, s - 1), b.clamp(0, s - 1)],
-        torch.zeros((), dtype=torch.float64),
-    )
-    allowed = torch.ones(B, H * W, H * W, dtype=torch.bool)
-    if padding_mask is not None:
-        allowed &= padding_mask.cpu().reshape(B, 1, H * W)
+    bias = torch.where(inside[None], w.double()[:, a.clamp(0, s - 1), b.clamp(0, s - 1)], 0.0)
     flat = [x.cpu().reshape(B, H * W, *x.shape[3:]) for x in (q, k, v)]
-    return _biased_average_reference(*flat, bias, allowed).reshape(B, H, W, h, c)
+    mask = None if padding_mask is None else padding_mask.cpu().reshape(B, H * W)
+    rows = [b.T[:, :, None] for b in bias.unbind(1)]
+    return biased_average_reference(*flat, rows.__getitem__, padding_mask=mask).reshape(
+        B, H, W, h, c
+    )

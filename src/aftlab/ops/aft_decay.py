@@ -30,12 +30,13 @@ import torch
 
 from .. import kernels
 from .._checks import check_tensor
+from ._numerics import compute_dtype
 from .aft_simple import _check_qkv
+from .reference import biased_average_reference
 from .scan import stable_prefix_average
 
 __all__ = ["aft_decay", "aft_decay_reference"]
 
-_LOW = (torch.float16, torch.bfloat16)
 
 
 def _check_decay_bonus(where: str, q: torch.Tensor, decay, bonus) -> None:
@@ -92,7 +93,7 @@ def aft_decay(
 def _aft_decay_torch(q, k, v, decay, bonus, *, padding_mask):
     """The pure-PyTorch implementation of :func:`aft_decay` (inputs already validated)."""
     out_dtype = q.dtype
-    cdt = torch.float32 if out_dtype in _LOW else out_dtype
+    cdt = compute_dtype(out_dtype)
     q, k, v = q.to(cdt), k.to(cdt), v.to(cdt)
     lam, u = decay.to(cdt), bonus.to(cdt)
     B, T, d = q.shape
@@ -121,25 +122,15 @@ def aft_decay_reference(
 ) -> torch.Tensor:
     """Float64 per-position loop straight from the formula (slow; for tests).
 
-    For each ``t`` the exponents ``z_t' = -(t-1-t') lambda + K_t'`` (``t' < t``) and
-    ``z_t = u + K_t`` over the valid ``t'`` are normalised with their maximum ``M_t``:
-    ``Y_t = sigma(Q_t) * sum exp(z - M_t) V / sum exp(z - M_t)``; 0 if no ``t'`` is valid.
-    Returns float64 ``(B, T, d)``.
+    :func:`~aftlab.ops.reference.biased_average_reference`, causal, with the per-channel bias
+    ``b_{t,t'} = -(t - 1 - t') lambda`` for ``t' < t`` and ``b_{t,t} = u``: ``Y_t = sigma(Q_t) *
+    sum_{t' <= t} exp(K_t' + b_{t,t'}) V_t' / sum_{t' <= t} exp(K_t' + b_{t,t'})``, 0 if no
+    ``t'`` is valid. Returns float64 ``(B, T, d)``.
     """
-    q, k, v = q.double(), k.double(), v.double()
-    lam, u = decay.double(), bonus.double()
-    B, T, d = q.shape
-    valid = torch.ones(B, T, dtype=torch.bool) if padding_mask is None else padding_mask.cpu()
-    rows = []
-    for t in range(T):
-        past = -(t - 1 - torch.arange(t, dtype=torch.float64, device=q.device))[:, None] * lam
-        z = torch.cat([k[:, :t] + past, (u + k[:, t])[:, None]], 1)  # (B, t + 1, d)
-        ok = valid[:, : t + 1, None].to(q.device)
-        z = z.masked_fill(~ok, float("-inf"))
-        M = z.amax(1, keepdim=True)
-        M = torch.where(torch.isfinite(M), M, torch.zeros_like(M))
-        e = torch.exp(z - M)
-        num, den = (e * v[:, : t + 1].masked_fill(~ok, 0.0)).sum(1), e.sum(1)
-        avg = torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), 0.0)
-        rows.append(torch.sigmoid(q[:, t]) * avg)
-    return torch.stack(rows, 1) if rows else q.new_zeros(B, 0, d)
+    lam, u = decay.double().to(q.device), bonus.double().to(q.device)
+    pos = torch.arange(q.shape[1], dtype=torch.float64, device=q.device)[:, None]
+
+    def bias_row(t: int) -> torch.Tensor:  # (T, d); rows t' > t are never seen
+        return torch.where(pos < t, -(t - 1 - pos) * lam, u)
+
+    return biased_average_reference(q, k, v, bias_row, causal=True, padding_mask=padding_mask)

@@ -9,7 +9,21 @@ the channels), elementwise over the channel ``c``::
 ``L_{t,c} = log sum_t' exp(K_{t',c} + w_{t,t'})``, the bracket is the average
 ``A_t = sum_t' P_{t,t'} V_t'``, so ``Y = sigma(Q) * A``.
 
-How it is computed (see docs/aft.md):
+Two implementations compute it. On CPU tensors (kernels on, :mod:`aftlab.kernels`) the fused
+C++ kernel ``aftlab::full`` (``csrc/full.cpp``, docs/kernels.md) keeps the products below on
+BLAS and fuses everything around them, forward and backward (causal query blocks of ``T/4``
+rows, clamped to 256..1024). Its causal key shift is the running max of the keys ``[0, i0]``
+kept while within 20 of it, so ``E^K`` is formed once (and again only when a shift moves). Its
+exact fallback runs *in the kernel, in the compute dtype*: a row whose factorised ``den``
+underflows (or whose ``num`` overflows, or that follows an unsafe diagonal key) is recomputed
+with its own per-``(t, c)`` max over the keys it sees, scores formed as ``K/2 + w/2`` (never
+overflowing). Such a fallback is mathematically necessary: the
+factorised shift ``m^w_t + m^K_c`` can exceed the true ``max_t' (K_t' + w_{t,t'})`` by any
+amount when the two maximisers differ, which no factorised product can detect in advance. The
+float64 rescue below is gone from the kernel path; it serves the PyTorch implementation
+(CUDA, ``AFTLAB_KERNELS=0``), and :func:`lse_average` also AFT-local's PyTorch band.
+
+How the PyTorch implementation computes it (see docs/aft.md):
 
 * **Fast path: two matrix products.** With a row shift ``m^w_t = max_t' w_{t,t'}`` (over the
   keys ``t'`` that query ``t`` sees) and a per-channel key shift ``m^K_c``, the factors
@@ -63,11 +77,15 @@ from typing import NamedTuple
 
 import torch
 
+from .. import kernels
+from .._autograd import keep_inputs, once_differentiable
 from .._checks import check_compatible, check_padding_mask, check_tensor
+from .reference import biased_average_reference
 
 __all__ = ["aft_full", "aft_full_reference", "lse_average"]
 
 _CAUSAL_BLOCK = (256, 512)  # rows per block of the causal block-triangular product: T//4, clamped
+_KERNEL_CAUSAL_BLOCK = (256, 1024)  # the same for the C++ kernel (larger blocks: faster BLAS)
 _BAND_BLOCK = 64  # query rows per block of a banded (AFT-local) product
 _RESCUE_ELEMS = 1 << 21  # elements of one (rows, keys, d) float64 chunk of the exact rescue
 _SAFE = math.exp(44.0)  # largest factor exp(K_t' - m^K) of a causal diagonal key (den stays finite)
@@ -95,8 +113,8 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 # ----------------------------------------------------------------------------- blocks
-def _causal_block_size(T: int) -> int:
-    lo, hi = _CAUSAL_BLOCK
+def _causal_block_size(T: int, *, kernel: bool = False) -> int:
+    lo, hi = _KERNEL_CAUSAL_BLOCK if kernel else _CAUSAL_BLOCK
     return min(hi, max(lo, T // 4))
 
 
@@ -312,6 +330,7 @@ def _tau(dtype: torch.dtype) -> float:
 class _LSEAverage(torch.autograd.Function):
     @staticmethod
     def forward(ctx, k, v, wb, pad, geo, with_log):
+        keep_inputs(ctx, k, v, wb)
         B, T, d = k.shape
         if pad is not None:  # padded keys contribute exp(-inf) = 0, padded values 0
             k = k.masked_fill(~pad[..., None], float("-inf"))
@@ -344,7 +363,7 @@ class _LSEAverage(torch.autograd.Function):
         return (k.new_zeros(0, dtype=torch.float64) if L is None else L), A
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @once_differentiable("lse_average (aft_full, aft_local)")
     def backward(ctx, gL, gA):
         k, v, wb, A, den, rows = ctx.saved_tensors
         geo = ctx.geo
@@ -488,50 +507,23 @@ def aft_full(
     T = q.shape[1]
     if T == 0:
         return q * 0.0  # empty, still connected to the graph
+    if q.numel() and kernels.enabled(q):
+        block = _causal_block_size(T, kernel=True)
+        return kernels._ops.aft_full(
+            q, k, v, w, causal=bool(causal), padding_mask=padding_mask, block=block
+        )
+    return _aft_full_torch(q, k, v, w, causal=causal, padding_mask=padding_mask)
+
+
+def _aft_full_torch(q, k, v, w, *, causal: bool, padding_mask):
+    """The pure-PyTorch AFT-full (CUDA, ``AFTLAB_KERNELS=0``): :func:`lse_average`."""
+    T = q.shape[1]
     cd = compute_dtype(q.dtype)
     with torch.autocast(q.device.type, enabled=False):
         qc, kc, vc, wc = (x.to(cd) for x in (q, k, v, w))
         geo = Geometry(T, T, 0, 0, bool(causal))
         _, A = lse_average(kc, vc, wc[:T, :T], geo, padding_mask, with_log=False)
         return (torch.sigmoid(qc) * A).to(q.dtype)
-
-
-def biased_average_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    bias: torch.Tensor,
-    *,
-    causal: bool = False,
-    padding_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Float64 loop over query positions, straight from the formula::
-
-        Y_t = sigma(Q_t) * sum_t' exp(K_t' + b_{t,t'}) V_t' / sum_t' exp(K_t' + b_{t,t'})
-
-    ``bias`` is ``(T, T)``. Each row is shifted by its own maximum over the keys it sees
-    (which leaves the ratio unchanged); a row with no valid key gives 0.
-    """
-    q, k, v, bias = (x.double() for x in (q, k, v, bias))
-    B, T, d = q.shape
-    rows = []
-    for t in range(T):
-        s = k + bias[t, :T, None]  # (B, T, d): K_t' + w_{t,t'}
-        seen = torch.ones(B, T, dtype=torch.bool, device=q.device)
-        if causal:
-            seen[:, t + 1 :] = False
-        if padding_mask is not None:
-            seen &= padding_mask
-        s = s.masked_fill(~seen[:, :, None], float("-inf"))
-        m = s.amax(1, keepdim=True).detach()
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-        e = torch.exp(s - m)
-        den = e.sum(1)  # >= 1 if a key is seen; NaN if a NaN is seen (and then so is avg)
-        empty = den == 0
-        num = (e * v.masked_fill(~seen[:, :, None], 0.0)).sum(1)  # an unseen NaN never enters
-        avg = torch.where(empty, 0.0, num / torch.where(empty, 1.0, den))
-        rows.append(torch.sigmoid(q[:, t]) * avg)
-    return torch.stack(rows, 1)
 
 
 def aft_full_reference(
@@ -548,4 +540,7 @@ def aft_full_reference(
     Returns ``(B, T, d)`` float64 (differentiable, for checking gradients).
     """
     T = q.shape[1]
-    return biased_average_reference(q, k, v, w[:T, :T], causal=causal, padding_mask=padding_mask)
+    wt = w[:T, :T].unsqueeze(-1)  # (T, T, 1): shared by the channels
+    return biased_average_reference(
+        q, k, v, wt.__getitem__, causal=causal, padding_mask=padding_mask
+    )

@@ -35,13 +35,9 @@ import torch
 
 from .. import kernels
 from .._checks import check_compatible, check_positive_int, check_tensor
-from .aft_full import (
-    Geometry,
-    biased_average_reference,
-    check_aft_inputs,
-    compute_dtype,
-    lse_average,
-)
+from ._numerics import compute_dtype, shift_along
+from .aft_full import Geometry, check_aft_inputs, lse_average
+from .reference import biased_average_reference
 from .scan import stable_prefix_average
 
 __all__ = ["aft_local", "aft_local_band", "aft_local_reference", "band_geometry", "band_of"]
@@ -66,18 +62,6 @@ def band_of(w: torch.Tensor, T: int, window: int, *, causal: bool = False) -> to
     cols = t + torch.arange(geo.W, device=w.device)[None, :] - geo.beta
     inside = (cols >= 0) & (cols < T)
     return w[:T, :T].gather(1, cols.clamp(0, T - 1)).masked_fill(~inside, 0.0)
-
-
-def _shift(x: torch.Tensor, by: int, fill: float) -> torch.Tensor:
-    """``out[:, t] = x[:, t - by]`` (``by`` may be negative), ``fill`` where out of range."""
-    T = x.shape[1]
-    out = torch.full_like(x, fill)
-    if abs(by) < T:
-        if by >= 0:
-            out[:, by:] = x[:, : T - by]
-        else:
-            out[:, : T + by] = x[:, -by:]
-    return out
 
 
 def aft_local_band(
@@ -133,11 +117,11 @@ def _aft_local_torch(q, k, v, w_band, window: int, *, causal: bool, padding_mask
         if s < T:
             # keys t' <= t - s: prefix sums read at t - s
             L, A = stable_prefix_average(kc, vc, padding_mask=padding_mask)
-            parts.append((_shift(L, s, float("-inf")), _shift(A, s, 0.0)))
+            parts.append((shift_along(L, s, 1, float("-inf")), shift_along(A, s, 1, 0.0)))
             if not causal:  # keys t' >= t + max(s, 1): reverse sums read there
                 L, A = stable_prefix_average(kc, vc, reverse=True, padding_mask=padding_mask)
                 r = max(s, 1)
-                parts.append((_shift(L, -r, float("-inf")), _shift(A, -r, 0.0)))
+                parts.append((shift_along(L, -r, 1, float("-inf")), shift_along(A, -r, 1, 0.0)))
         if len(parts) == 1:
             avg = parts[0][1]
         else:
@@ -217,5 +201,7 @@ def aft_local_reference(
     T = q.shape[1]
     t = torch.arange(T, device=q.device)
     inside = (t[:, None] - t[None, :]).abs() < window
-    w_local = torch.where(inside, w[:T, :T].double(), 0.0)
-    return biased_average_reference(q, k, v, w_local, causal=causal, padding_mask=padding_mask)
+    w_local = torch.where(inside, w[:T, :T].double(), 0.0).unsqueeze(-1)  # (T, T, 1)
+    return biased_average_reference(
+        q, k, v, w_local.__getitem__, causal=causal, padding_mask=padding_mask
+    )

@@ -21,11 +21,12 @@ import torch
 
 from .. import kernels
 from .._checks import check_compatible, check_padding_mask, check_tensor
+from ._numerics import compute_dtype, finite_shift
+from .reference import biased_average_reference
 from .scan import stable_prefix_average
 
 __all__ = ["aft_simple", "aft_simple_reference"]
 
-_LOW = (torch.float16, torch.bfloat16)
 
 
 def _check_qkv(where: str, q, k, v, padding_mask) -> None:
@@ -71,9 +72,8 @@ def aft_simple(
 
 def _aft_simple_torch(q, k, v, *, causal: bool, padding_mask):
     """The pure-PyTorch implementation of :func:`aft_simple` (inputs already validated)."""
-    out_dtype = q.dtype
-    if out_dtype in _LOW:
-        q, k, v = q.float(), k.float(), v.float()
+    out_dtype, cdt = q.dtype, compute_dtype(q.dtype)
+    q, k, v = q.to(cdt), k.to(cdt), v.to(cdt)
     if causal:
         # A_t = sum_{t'<=t} exp(K_t' - L_t) V_t', L_t = log sum_{t'<=t} exp(K_t')
         _, A = stable_prefix_average(k, v, padding_mask=padding_mask)
@@ -84,7 +84,7 @@ def _aft_simple_torch(q, k, v, *, causal: bool, padding_mask):
             k = k.masked_fill(~padding_mask[:, :, None], float("-inf"))
         # m_c = max_t' K_t'c (all t' are visible); exp(K - m) <= 1 and the largest term is 1.
         m = k.detach().amax(1, keepdim=True)
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        m = finite_shift(m)
         e = torch.exp(k - m)  # padded keys: exp(-inf) = 0
         if padding_mask is not None:
             v = v.masked_fill(~padding_mask[:, :, None], 0.0)
@@ -110,22 +110,8 @@ def aft_simple_reference(
 ) -> torch.Tensor:
     """Float64 per-position loop straight from the formula (slow; for tests).
 
-    ``Y_t = sigma(Q_t) * sum_{t' in S_t} exp(K_t' - M_t) V_t' / sum_{t' in S_t} exp(K_t' - M_t)``
-    with ``S_t`` the valid ``t'`` (``<= t`` if causal) and ``M_t = max_{t' in S_t} K_t'``;
-    ``Y_t = 0`` when ``S_t`` is empty. Returns float64 ``(B, T, d)``.
+    ``Y_t = sigma(Q_t) * sum_{t' in S_t} exp(K_t') V_t' / sum_{t' in S_t} exp(K_t')`` with ``S_t``
+    the valid ``t'`` (``<= t`` if causal): :func:`~aftlab.ops.reference.biased_average_reference`
+    with no bias. ``Y_t = 0`` when ``S_t`` is empty. Returns float64 ``(B, T, d)``.
     """
-    q, k, v = q.double(), k.double(), v.double()
-    B, T, d = q.shape
-    valid = torch.ones(B, T, dtype=torch.bool) if padding_mask is None else padding_mask.cpu()
-    rows = []
-    for t in range(T):
-        hi = t + 1 if causal else T
-        ks, vs, ok = k[:, :hi], v[:, :hi], valid[:, :hi, None].to(q.device)
-        ks = ks.masked_fill(~ok, float("-inf"))
-        M = ks.amax(1, keepdim=True)
-        M = torch.where(torch.isfinite(M), M, torch.zeros_like(M))
-        w = torch.exp(ks - M)
-        num, den = (w * vs.masked_fill(~ok, 0.0)).sum(1), w.sum(1)
-        avg = torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), 0.0)
-        rows.append(torch.sigmoid(q[:, t]) * avg)
-    return torch.stack(rows, 1) if rows else q.new_zeros(B, 0, d)
+    return biased_average_reference(q, k, v, causal=causal, padding_mask=padding_mask)

@@ -49,11 +49,12 @@ from __future__ import annotations
 
 import torch
 
+from .._autograd import keep_inputs, once_differentiable
 from .._checks import check_compatible, check_padding_mask, check_tensor
+from ._numerics import compute_dtype
 
 __all__ = ["stable_prefix_average", "stable_prefix_average_reference"]
 
-_LOW = (torch.float16, torch.bfloat16)
 
 
 def stable_prefix_average_reference(
@@ -247,12 +248,13 @@ class _PrefixAverage(torch.autograd.Function):
     @staticmethod
     def forward(ctx, k, v, lam):  # noqa: D102
         L, A = _scan_forward(k, v, lam)
+        keep_inputs(ctx, k, v, lam)
         ctx.save_for_backward(k, v, lam, L, A)
         ctx.has_lam = lam is not None
         return L, A
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @once_differentiable("the stable scan (aft_simple, aft_decay)")
     def backward(ctx, dL, dA):  # noqa: D102
         k, v, lam, L, A = ctx.saved_tensors
         B, T, d = k.shape
@@ -323,7 +325,7 @@ def stable_prefix_average(
     if padding_mask is not None:
         check_padding_mask(where, padding_mask, tuple(k.shape[:2]), "k", k)
     out_dtype = k.dtype
-    cdt = torch.float32 if out_dtype in _LOW else out_dtype
+    cdt = compute_dtype(out_dtype)
     B, T, d = k.shape
     if T == 0:
         return k.new_empty(B, 0, d), v.new_empty(B, 0, d)

@@ -208,7 +208,7 @@ def save_checkpoint(
     run_dir: str | Path,
     *,
     step: int,
-    model: nn.Module,
+    model: nn.Module | dict[str, torch.Tensor],
     config: dict[str, Any],
     train_state: dict[str, Any],
     keep_last: int,
@@ -220,7 +220,9 @@ def save_checkpoint(
     Args:
         run_dir: the run folder; checkpoints go to ``run_dir/checkpoints/step_{step:08d}``.
         step: optimizer steps completed.
-        model: the (unwrapped) model whose weights are saved.
+        model: the (unwrapped) model whose weights are saved, or its full state dict with each
+            tied tensor under one name (a sharded model's, gathered by
+            :func:`aftlab.train.distributed.full_model_state`).
         config: JSON-serialisable configs (``{"train": ..., "model": ...}``).
         train_state: optimizer state, RNG states and counters: nested dicts (string or integer
             keys), lists, tuples, tensors, numbers, strings and ``None``.
@@ -243,7 +245,11 @@ def save_checkpoint(
     try:
         root.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
-        save_model(model, str(tmp / MODEL_FILE), metadata={"format": "pt", "step": str(step)})
+        meta = {"format": "pt", "step": str(step)}
+        if isinstance(model, nn.Module):
+            save_model(model, str(tmp / MODEL_FILE), metadata=meta)
+        else:
+            save_file(model, str(tmp / MODEL_FILE), metadata=meta)
         save_file(tensors, str(tmp / STATE_TENSORS), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(dumps(config, indent=2, sort_keys=True), encoding="utf-8")
         (tmp / STATE_JSON).write_text(state_json, encoding="utf-8")

@@ -1,34 +1,174 @@
-"""``aftlab compare``: one model per mixer, equal size and budget, one table.
+"""``aftlab compare``: one model per mixer on equal budgets, over seeds and learning rates.
 
-Each mixer is trained by a child process (``python -m aftlab train``) with the same config
+Each model is trained by a child process (``python -m aftlab train``) with the same config
 except ``mixer``: the same data, model width/depth, context, batch and steps (the AFT paper's
 Table 4 protocol). A child process per model gives each its own peak memory (CPU: peak RSS
 above the RSS at the start of training; CUDA: ``max_memory_allocated``). Mixer options of the
-base config are not passed on (each mixer runs with its defaults).
+base config are not passed on: each mixer runs with its defaults, or with the options of its
+``--mixers`` entry (``aft-local:window=8``).
+
+Fair comparisons (docs/results.md, "aftlab compare"):
+
+* ``seeds=n``: every (mixer, rate) is trained with seeds ``seed, ..., seed + n - 1``; the
+  table shows the mean and the sample standard deviation (``n - 1`` in the denominator) over
+  them, and their minimum and maximum.
+* ``lrs``: every mixer is trained at every rate (``min_lr`` scaled by ``lr / base lr``); the
+  rate with the best mean **validation** metric over the seeds is chosen, and only the
+  chosen rate's test metric is read and reported.
+* ``equal_params``: each mixer's feed-forward width ``d_ff`` is set so that its parameter count
+  is the one nearest attention's (at most half a ``d_ff`` unit, ``N (2 d + 1) / 2`` parameters
+  with biases, away).
 """
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import math
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
+import torch
 
 from .._json import dumps
-from .build import build_task
+from .build import build_model, build_task, model_config_for, task_info
 from .checkpoint import atomic_write_text
-from .config import TrainConfig, to_toml
+from .config import TrainConfig, parse_override, to_toml
 from .errors import UsageError
 
-__all__ = ["DEFAULT_MIXERS", "run_compare", "unigram_baseline", "format_table"]
+__all__ = [
+    "DEFAULT_MIXERS",
+    "MixerSpec",
+    "parse_mixer_spec",
+    "parse_lrs",
+    "count_parameters",
+    "match_parameters",
+    "run_compare",
+    "unigram_baseline",
+    "format_table",
+    "check_sample",
+    "sample_best",
+]
 
 #: The mixers compared by default: the Transformer and every AFT variant
 #: (the paper's four and RWKV's decay).
 DEFAULT_MIXERS = ("attention", "aft-full", "aft-local", "aft-simple", "aft-conv", "aft-decay")
+
+
+@dataclass(frozen=True)
+class MixerSpec:
+    """One ``--mixers`` entry: ``NAME`` or ``NAME:KEY=VALUE[:KEY=VALUE...]``.
+
+    Attributes:
+        label: the entry as given (the table's row, the run folder's name).
+        name: the registered mixer.
+        options: its keyword options (VALUE is a TOML literal or a bare string).
+    """
+
+    label: str
+    name: str
+    options: dict[str, Any]
+
+
+def parse_mixer_spec(spec: str) -> MixerSpec:
+    """``"aft-local:window=8"`` -> ``MixerSpec("aft-local:window=8", "aft-local", {"window": 8})``.
+
+    Raises:
+        UsageError: an empty name, or an option without ``=``.
+    """
+    name, *parts = (t.strip() for t in spec.split(":"))
+    options: dict[str, Any] = {}
+    for part in parts:
+        key, sep, _ = part.partition("=")
+        if not name or not sep or not key.strip() or "." in key:
+            raise UsageError(
+                f"--mixers entry {spec!r}: expected NAME or NAME:KEY=VALUE[:KEY=VALUE], "
+                "e.g. aft-local:window=8"
+            )
+        options[key.strip()] = parse_override(part)[1]
+    if not name:
+        raise UsageError(f"--mixers entry {spec!r} has an empty name; expected e.g. aft-local")
+    return MixerSpec(spec.strip(), name, options)
+
+
+def parse_lrs(text: str) -> list[float]:
+    """``"1e-3,3e-3"`` -> ``[0.001, 0.003]``: distinct positive finite rates.
+
+    Raises:
+        UsageError: an entry that is not a positive finite number, or a repeated rate.
+    """
+    rates = []
+    for item in text.split(","):
+        try:
+            value = float(item)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value > 0):
+            raise UsageError(
+                f"--lrs {text!r}: {item.strip()!r} is not a positive finite number; "
+                "expected comma-separated rates, e.g. 1e-3,3e-3"
+            )
+        rates.append(value)
+    if len(set(rates)) != len(rates):
+        raise UsageError(f"--lrs {text!r} repeats a rate; give each rate once")
+    return rates
+
+
+def count_parameters(config: TrainConfig, task: Any) -> int:
+    """Parameters of the model ``config`` trains on ``task`` (built on the meta device: no memory).
+
+    Counted as the trainer counts them (a tied head once).
+
+    Raises:
+        UsageError: the mixer rejects its options.
+    """
+    with torch.device("meta"):
+        model = build_model(model_config_for(config, task), task_info(task))
+    return sum(p.numel() for p in model.parameters())
+
+
+def match_parameters(config: TrainConfig, task: Any, target: int) -> tuple[TrainConfig, int]:
+    """``config`` with the ``d_ff`` whose parameter count is nearest ``target``, and that count.
+
+    The count is affine in ``d_ff`` (each hidden unit adds a row of ``W_1``, a column of ``W_2``
+    and a bias of ``b_1`` per block: ``step = N (2 d + 1)`` with biases), so
+    ``d_ff = d_ff_0 + round((target - P(d_ff_0)) / step)`` lands within ``step / 2`` of it.
+
+    Raises:
+        UsageError: even ``d_ff = 1`` has more parameters than ``target``.
+    """
+
+    def with_d_ff(d_ff: int) -> TrainConfig:
+        return config.replace(model={**config.model, "d_ff": d_ff})
+
+    d_ff0 = config.model.get("d_ff") or 4 * config.model["d_model"]
+    p0 = count_parameters(with_d_ff(d_ff0), task)
+    step = count_parameters(with_d_ff(d_ff0 + 1), task) - p0
+    d_ff = d_ff0 + round((target - p0) / step)
+    if d_ff < 1:
+        raise UsageError(
+            f"--equal-params: {config.mixer} has {p0:,} parameters at d_ff={d_ff0}, attention "
+            f"{target:,}; no d_ff >= 1 matches (make the model wider, or leave out "
+            "--equal-params)"
+        )
+    return with_d_ff(d_ff), count_parameters(with_d_ff(d_ff), task)
+
+
+def spread(values: list[float]) -> dict[str, Any]:
+    """Mean, sample standard deviation (``n - 1``; None for one value), min, max, the values."""
+    a = np.asarray(values, dtype=np.float64)
+    return {
+        "mean": float(a.mean()),
+        "std": float(a.std(ddof=1)) if a.size > 1 else None,
+        "min": float(a.min()),
+        "max": float(a.max()),
+        "values": [float(v) for v in a],
+    }
 
 
 def unigram_baseline(
@@ -58,79 +198,268 @@ def _fmt_mem(b: float | None) -> str:
     return "n/a" if b is None else f"{b / 2**20:,.0f} MiB"
 
 
-def format_table(rows: list[dict[str, Any]], metric: str, device: str) -> str:
-    """The Markdown table of :func:`run_compare` rows."""
-    lines = [
-        f"| mixer | parameters | test {metric} | train tokens/s | peak memory ({device}) |",
-        "|---|---:|---:|---:|---:|",
-    ]
+def _fmt_value(mean: float | None, std: float | None) -> str:
+    if mean is None:
+        return "n/a"
+    return f"{mean:.4f}" if std is None else f"{mean:.4f} ± {std:.4f}"
+
+
+def format_table(
+    rows: list[dict[str, Any]], metric: str, device: str, *, seeds: int = 1, d_ff: bool = False
+) -> str:
+    """The Markdown table of :func:`run_compare` rows.
+
+    Columns: mixer, parameters, (``d_ff`` with ``d_ff=True``), the chosen learning rate, the
+    validation and test metric (``mean ± sample std`` when ``seeds > 1``, then the test
+    metric's min-max), training tokens/s, peak memory.
+    """
+    head = ["mixer", "parameters", *(["d_ff"] if d_ff else []), "lr", f"val {metric}"]
+    head += [f"test {metric}", *([f"test {metric} min–max"] if seeds > 1 else [])]
+    head += ["train tokens/s", f"peak memory ({device})"]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for r in rows:
-        value, speed = r.get("test_metric"), r.get("tokens_per_s")
-        value_s = "n/a" if value is None else f"{value:.4f}"
-        speed_s = "" if speed is None else f"{speed:,.0f}"
-        mem_s = "" if r["mixer"].startswith("(") else _fmt_mem(r.get("peak_memory_bytes"))
-        lines.append(f"| {r['mixer']} | {r['parameters']:,} | {value_s} | {speed_s} | {mem_s} |")
+        baseline = r["mixer"].startswith("(")
+        speed = r.get("tokens_per_s")
+        cells = [r["mixer"], f"{r['parameters']:,}"]
+        if d_ff:
+            cells.append("" if r.get("d_ff") is None else str(r["d_ff"]))
+        cells.append("" if r.get("lr") is None else f"{r['lr']:g}")
+        cells.append("" if baseline else _fmt_value(r.get("val_metric"), r.get("val_metric_std")))
+        cells.append(_fmt_value(r.get("test_metric"), r.get("test_metric_std")))
+        if seeds > 1:
+            lo, hi = r.get("test_metric_min"), r.get("test_metric_max")
+            cells.append("" if baseline or lo is None else f"{lo:.4f}–{hi:.4f}")
+        cells.append("" if speed is None else f"{speed:,.0f}")
+        cells.append("" if baseline else _fmt_mem(r.get("peak_memory_bytes")))
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def _train_one(base: TrainConfig, mixer: str, run_dir: Path) -> dict[str, Any]:
-    summary_path = run_dir / "summary.json"
+_CSV_FIELDS = (
+    "mixer",
+    "parameters",
+    "d_ff",
+    "lr",
+    "val_metric",
+    "val_metric_std",
+    "test_metric",
+    "test_metric_std",
+    "test_metric_min",
+    "test_metric_max",
+    "test_loss",
+    "tokens_per_s",
+    "peak_memory_bytes",
+)
+
+
+def format_csv(rows: list[dict[str, Any]]) -> str:
+    """The rows as CSV (the columns of ``_CSV_FIELDS``; empty where a row has no value)."""
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=_CSV_FIELDS, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    for r in rows:
+        writer.writerow({k: "" if r.get(k) is None else r[k] for k in _CSV_FIELDS})
+    return buf.getvalue()
+
+
+def _train_one(config: TrainConfig, run_dir: Path) -> dict[str, Any] | None:
+    """Train ``config`` into ``run_dir`` in a child process; its summary, None if it diverged.
+
+    A finished run (``summary.json``) is read back, an interrupted one resumed.
+    """
+    summary_path, diverged_path = run_dir / "summary.json", run_dir / "compare-diverged.json"
     if summary_path.is_file():  # finished in an earlier invocation
         return json.loads(summary_path.read_text(encoding="utf-8"))
-    cfg_path = run_dir.parent / f"{mixer}.toml"
-    atomic_write_text(
-        cfg_path,
-        to_toml(base.replace(mixer=mixer, mixer_options={}, out=str(run_dir), sample_tokens=0)),
-    )
+    if diverged_path.is_file():
+        return None
+    cfg_path = run_dir.parent / f"{run_dir.name}.toml"
+    cfg_path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(cfg_path, to_toml(config.replace(out=str(run_dir))))
     cmd = [sys.executable, "-m", "aftlab", "train", "--config", str(cfg_path)]
     if (run_dir / "config.toml").is_file():
         cmd.append("--resume")
-    print(f"aftlab compare: training {mixer} -> {run_dir}", file=sys.stderr, flush=True)
+    print(
+        f"aftlab compare: training {config.mixer} (lr {config.lr:g}, seed {config.seed}) "
+        f"-> {run_dir}",
+        file=sys.stderr,
+        flush=True,
+    )
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
     sys.stderr.write(proc.stdout)
+    if proc.returncode == 1 and run_dir.is_dir():  # `aftlab train`'s status for a divergence
+        atomic_write_text(diverged_path, dumps({"diverged": True, "lr": config.lr}))
+        return None
     if proc.returncode != 0 or not summary_path.is_file():
         raise UsageError(
-            f"training {mixer} failed (exit status {proc.returncode}); see its output above and "
-            f"{run_dir}; rerun the same compare command to continue"
+            f"training {config.mixer} failed (exit status {proc.returncode}); see its output "
+            f"above and {run_dir}; rerun the same compare command to continue"
         )
     return json.loads(summary_path.read_text(encoding="utf-8"))
 
 
-def run_compare(base: TrainConfig, mixers: list[str], out_dir: str | Path) -> str:
+def _validate(config: TrainConfig, run_dir: Path) -> dict[str, float]:
+    """Validation loss and metric of a finished run (cached in ``val.json``).
+
+    The first ``eval_batches`` batches of the validation split, as the trainer's periodic
+    evaluation reads them; never the test split.
+    """
+    path = run_dir / "val.json"
+    if path.is_file():
+        return json.loads(path.read_text(encoding="utf-8"))
+    from .run import load_run
+    from .trainer import evaluate, resolve_device
+
+    device = resolve_device(config.device)
+    run = load_run(run_dir, device=device)
+    res = evaluate(
+        run.model,
+        run.task,
+        "val",
+        batch_size=config.eval_batch_size or config.batch_size,
+        max_batches=config.eval_batches,
+        device=device,
+        precision=config.precision,
+    )
+    atomic_write_text(path, dumps(res))
+    return res
+
+
+def _folder(label: str) -> str:
+    return label.replace(":", "_").replace("/", "_")
+
+
+def run_compare(
+    base: TrainConfig,
+    mixers: list[str],
+    out_dir: str | Path,
+    *,
+    seeds: int = 1,
+    lrs: list[float] | None = None,
+    equal_params: bool = False,
+    sample: int = 0,
+) -> str:
     """Train every mixer of ``mixers`` with ``base`` and write the comparison into ``out_dir``.
 
-    Writes ``results.md`` (the table, with the config), ``results.json`` and, when matplotlib is
-    installed, ``loss_curves.png``. An existing ``out_dir`` is continued: finished models are
-    read back, interrupted ones resumed.
+    Args:
+        base: the shared config (its ``mixer`` and ``mixer_options`` are replaced).
+        mixers: ``--mixers`` entries, ``NAME`` or ``NAME:KEY=VALUE[:KEY=VALUE]``.
+        out_dir: the output folder: ``<mixer>/`` per mixer, ``<mixer>/lr<lr>-seed<s>/`` per run
+            when there are several rates or seeds.
+        seeds: ``n >= 1``: seeds ``base.seed .. base.seed + n - 1`` for every (mixer, rate).
+        lrs: the learning rates tried (default ``[base.lr]``); ``min_lr`` is scaled alike.
+        equal_params: set each mixer's ``d_ff`` to match attention's parameter count
+            (:func:`match_parameters`).
+        sample: tokens the caller samples afterwards with :func:`sample_best`; checked here
+            (:func:`check_sample`), before any training.
+
+    Writes ``results.md`` (the table, with the command), ``results.json`` (every row, with the
+    validation metric at every rate, and the config), ``results.csv`` and, when matplotlib is
+    installed, ``loss_curves.png`` (the chosen rate's first seed) and ``throughput.png``
+    (:func:`~aftlab.train.plot.plot_throughput`). ``results.json``'s ``best`` names the
+    model with the best test metric (its run folder, metric and value). An existing ``out_dir`` is
+    continued: finished runs are read back, interrupted ones resumed. A run that diverges
+    (``aftlab train`` exit status 1) removes its rate from the choice.
 
     Returns:
         The Markdown table.
+
+    Raises:
+        UsageError: an unknown mixer or bad entry, ``seeds < 1``, a bad rate, a bad ``sample``,
+            a mixer that diverged at every rate, a failed run.
     """
     from ..mixers import available_mixers
 
-    unknown = [m for m in mixers if m not in available_mixers()]
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+        raise UsageError(f"--seeds must be a positive integer, got {seeds!r}")
+    lrs = list(lrs) if lrs else [base.lr]
+    specs = [parse_mixer_spec(m) for m in mixers]
+    unknown = [sp.name for sp in specs if sp.name not in available_mixers()]
     if unknown:
         raise UsageError(
             f"unknown mixer {unknown[0]!r} in --mixers; "
             f"known mixers: {', '.join(available_mixers())}"
         )
+    labels = [sp.label for sp in specs]
+    if len(set(map(_folder, labels))) != len(labels):
+        raise UsageError(f"--mixers {','.join(labels)} names a mixer twice")
     task = build_task(base)  # fails early on bad data, before any training
+    check_sample(sample, task)
+    higher_better = task.metric == "accuracy"
+    configs = {}
+    target = None
+    if equal_params:
+        target = count_parameters(base.replace(mixer="attention", mixer_options={}), task)
+    for sp in specs:  # every model is built (on the meta device) before any training
+        cfg = base.replace(mixer=sp.name, mixer_options=sp.options, sample_tokens=0)
+        if equal_params:
+            cfg, _ = match_parameters(cfg, task, target)
+        else:
+            count_parameters(cfg, task)
+        configs[sp.label] = cfg
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = []
-    summaries = {}
-    for mixer in mixers:
-        s = _train_one(base, mixer, out_dir / mixer)
-        summaries[mixer] = s
+    single = len(lrs) == 1 and seeds == 1
+    seed_list = [base.seed + i for i in range(seeds)]
+    rows, curves, run_dirs = [], {}, {}
+    for sp in specs:
+        folder = out_dir / _folder(sp.label)
+        runs: dict[float, list[tuple[dict[str, Any], dict[str, float], Path]] | None] = {}
+        for lr in lrs:
+            min_lr = base.min_lr if lr == base.lr else base.min_lr * (lr / base.lr)
+            done: list[tuple[dict[str, Any], dict[str, float], Path]] | None = []
+            for seed in seed_list:
+                run_dir = folder if single else folder / f"lr{lr:g}-seed{seed}"
+                cfg = configs[sp.label].replace(lr=lr, min_lr=min_lr, seed=seed, out=str(run_dir))
+                summary = _train_one(cfg, run_dir)
+                if summary is None:
+                    done = None  # a diverged seed: this rate is out
+                    continue
+                if done is not None:
+                    done.append((summary, _validate(cfg, run_dir), run_dir))
+            runs[lr] = done
+        metric = task.metric
+        val_by_lr = {
+            lr: (None if r is None else spread([v[metric] for _, v, _ in r])["mean"])
+            for lr, r in runs.items()
+        }
+        scored = [lr for lr in lrs if val_by_lr[lr] is not None]
+        if not scored:
+            raise UsageError(
+                f"{sp.label} diverged at every learning rate {lrs}; try lower --lrs "
+                f"(runs in {folder})"
+            )
+        sign = -1.0 if higher_better else 1.0
+        best = min(scored, key=lambda lr: sign * val_by_lr[lr])  # first of equals
+        chosen = runs[best]
+        summaries = [s for s, _, _ in chosen]
+        test = spread([s[f"test_{s['metric']}"] for s in summaries])
+        val = spread([v[metric] for _, v, _ in chosen])
+        curves[sp.label] = chosen[0][2] / "metrics.jsonl"
+        run_dirs[sp.label] = chosen[0][2]
         rows.append(
             {
-                "mixer": mixer,
-                "parameters": s["parameters"],
-                "test_metric": s.get(f"test_{s['metric']}"),
-                "test_loss": s.get("test_loss"),
-                "tokens_per_s": s.get("train_tokens_per_s"),
-                "peak_memory_bytes": s.get("peak_memory_bytes"),
-                "device": s.get("device"),
+                "mixer": sp.label,
+                "parameters": summaries[0]["parameters"],
+                "d_ff": configs[sp.label].model.get("d_ff")
+                or 4 * configs[sp.label].model["d_model"],
+                "lr": best,
+                "seeds": seed_list,
+                "val_by_lr": {f"{lr:g}": v for lr, v in val_by_lr.items()},
+                "val_metric": val["mean"],
+                "val_metric_std": val["std"],
+                "test_metric": test["mean"],
+                "test_metric_std": test["std"],
+                "test_metric_min": test["min"],
+                "test_metric_max": test["max"],
+                "test_metric_values": test["values"],
+                "test_loss": spread([s["test_loss"] for s in summaries])["mean"],
+                "tokens_per_s": spread([s.get("train_tokens_per_s") or 0.0 for s in summaries])[
+                    "mean"
+                ],
+                "peak_memory_bytes": max(
+                    (s.get("peak_memory_bytes") or 0 for s in summaries), default=None
+                ),
+                "device": summaries[0].get("device"),
             }
         )
     device = rows[0]["device"] if rows else "cpu"
@@ -151,42 +480,141 @@ def run_compare(base: TrainConfig, mixers: list[str], out_dir: str | Path) -> st
                 "peak_memory_bytes": None,
             }
         )
-    table = format_table(rows, task.metric, device)
-    cmd = " ".join(
-        [
-            "aftlab compare",
-            f"--task {base.task}",
-            f"--mixers {','.join(mixers)}",
-            f"--steps {base.steps}",
-        ]
-    )
+    table = format_table(rows, task.metric, device, seeds=seeds, d_ff=equal_params)
+    cmd = ["aftlab compare", f"--task {base.task}", f"--mixers {','.join(labels)}"]
+    cmd.append(f"--steps {base.steps}")
+    if seeds > 1:
+        cmd.append(f"--seeds {seeds}")
+    if len(lrs) > 1:
+        cmd.append(f"--lrs {','.join(f'{lr:g}' for lr in lrs)}")
+    if equal_params:
+        cmd.append("--equal-params")
+    options = {"seeds": seeds, "lrs": lrs, "equal_params": equal_params, "reference": target}
+    best = _best_model(rows, run_dirs, task.metric, higher_better)
     atomic_write_text(
-        out_dir / "results.json", dumps({"rows": rows, "config": base.to_dict()}, indent=2)
+        out_dir / "results.json",
+        dumps({"rows": rows, "best": best, "options": options, "config": base.to_dict()}, indent=2),
     )
-    png = _plot_curves(out_dir, mixers)
-    md = [
-        f"# aftlab compare: {base.task}",
-        "",
-        f"Made with `{cmd}` (full config in results.json).",
-        "",
-        table,
-        "",
-    ]
+    atomic_write_text(out_dir / "results.csv", format_csv(rows))
+    png = _plot_curves(out_dir, curves)
+    speed_png = _plot_throughput(out_dir, rows, device)
+    notes = [f"Made with `{' '.join(cmd)}` (full config in results.json)."]
+    if len(lrs) > 1:
+        notes.append(
+            f"Each mixer was trained at every rate of {', '.join(f'{lr:g}' for lr in lrs)}; "
+            f"`lr` is the one with the best mean validation {task.metric}, and the test "
+            f"{task.metric} is that rate's only."
+        )
+    if seeds > 1:
+        notes.append(
+            f"Mean ± sample standard deviation (n − 1 in the denominator) over the {seeds} "
+            f"seeds {', '.join(map(str, seed_list))}; min–max beside it."
+        )
+    if equal_params:
+        notes.append(
+            f"Equal parameters: each mixer's `d_ff` is the one whose count is nearest "
+            f"attention's ({target:,}), within half a `d_ff` unit."
+        )
+    md = [f"# aftlab compare: {base.task}", "", " ".join(notes), "", table, ""]
     if png is not None:
         md += [f"![loss curves]({png.name})", ""]
+    if speed_png is not None:
+        md += [f"![tokens/s and peak memory]({speed_png.name})", ""]
     atomic_write_text(out_dir / "results.md", "\n".join(md))
     return table
 
 
-def _plot_curves(out_dir: Path, mixers: list[str]) -> Path | None:
+def _best_model(
+    rows: list[dict[str, Any]], run_dirs: dict[str, Path], metric: str, higher_better: bool
+) -> dict[str, Any] | None:
+    """The trained model with the best finite mean test metric (the first of equals), or None.
+
+    Its ``run_dir`` is the chosen rate's first seed.
+    """
+    sign = -1.0 if higher_better else 1.0
+    scored = [r for r in rows if r["mixer"] in run_dirs and math.isfinite(r["test_metric"])]
+    if not scored:
+        return None
+    r = min(scored, key=lambda r: sign * r["test_metric"])
+    return {
+        "mixer": r["mixer"],
+        "run_dir": str(run_dirs[r["mixer"]]),
+        "metric": metric,
+        "test_metric": r["test_metric"],
+        "device": r.get("device"),
+    }
+
+
+def check_sample(tokens: int, task: Any) -> None:
+    """``--sample N``: ``N >= 0`` tokens (0: no sample), ``N > 0`` only on a text task.
+
+    Raises:
+        UsageError: ``N`` is not an integer ``>= 0``, or the task has no text to sample.
+    """
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise UsageError(f"--sample must be an integer >= 0 (0: no sample), got {tokens!r}")
+    if tokens and not (task.kind == "lm" and hasattr(task, "decode")):
+        raise UsageError(
+            f"--sample needs a text task (text, enwik8, text8), got {task.name!r}, which has no "
+            "text to sample; leave out --sample"
+        )
+
+
+def sample_best(
+    out_dir: str | Path, tokens: int, *, out: TextIO, temperature: float = 0.8, seed: int = 0
+) -> str:
+    """Write one header line naming the best model of a finished compare, then a sample from it.
+
+    The model is ``results.json``'s ``best`` (the best mean test metric); the sample is
+    ``tokens`` tokens (bytes, on the byte-level text tasks) after the first 16 of the test
+    split, as ``aftlab sample RUN_DIR --tokens N`` writes them.
+
+    Returns:
+        The best model's ``--mixers`` entry.
+
+    Raises:
+        UsageError: no model with a finite test metric, or a run that cannot be loaded.
+    """
+    from .run import load_run
+    from .sampling import sample_text
+    from .trainer import resolve_device
+
+    results = json.loads((Path(out_dir) / "results.json").read_text(encoding="utf-8"))
+    best = results.get("best")
+    if best is None:
+        raise UsageError(f"no model in {str(out_dir)!r} has a finite test metric to sample from")
+    run = load_run(best["run_dir"], device=resolve_device(best.get("device") or "cpu"))
+    print(
+        f"--- sample from {best['mixer']} (best test {best['metric']} "
+        f"{best['test_metric']:.4f}): {tokens} bytes after a prompt from the test split ---",
+        file=out,
+        flush=True,
+    )
+    sample_text(
+        run.model, run.task, prompt=None, tokens=tokens, temperature=temperature, seed=seed, out=out
+    )
+    return best["mixer"]
+
+
+def _plot_curves(out_dir: Path, curves: dict[str, Path]) -> Path | None:
     try:
         from .plot import plot_loss_curves
     except ImportError:
         return None
     try:
-        return plot_loss_curves(
-            {m: out_dir / m / "metrics.jsonl" for m in mixers}, out_dir / "loss_curves.png"
-        )
+        return plot_loss_curves(curves, out_dir / "loss_curves.png")
     except UsageError as e:
         print(f"aftlab compare: no loss_curves.png: {e}", file=sys.stderr)
+        return None
+
+
+def _plot_throughput(out_dir: Path, rows: list[dict[str, Any]], device: str) -> Path | None:
+    try:
+        from .plot import plot_throughput
+    except ImportError:
+        return None
+    try:
+        return plot_throughput(rows, out_dir / "throughput.png", device=device)
+    except UsageError as e:
+        print(f"aftlab compare: no throughput.png: {e}", file=sys.stderr)
         return None

@@ -64,6 +64,8 @@ MODEL_KEYS: tuple[str, ...] = tuple(
 DEFAULT_MODEL: dict[str, Any] = {"d_model": 128, "n_layers": 3, "n_heads": 4}
 
 _PRECISIONS = ("fp32", "bf16")
+_PARALLEL = ("ddp", "fsdp")  # aftlab.train.distributed.PARALLEL
+_LOGS = ("jsonl", "tensorboard")
 _FREE_TABLES = ("mixer_options", "task_options")  # tables whose keys are not checked here
 
 
@@ -110,7 +112,12 @@ class TrainConfig:
         seed: seed of the model initialisation, the data order and every random generator.
         precision: ``"fp32"``, or ``"bf16"`` autocast for the forward pass.
         compile: wrap the model in ``torch.compile``.
+        parallel: under torchrun, ``"ddp"`` (a full replica per process) or ``"fsdp"``
+            (FSDP2: parameters, gradients and optimizer moments sharded over the processes;
+            :mod:`aftlab.train.distributed`); ignored by a single process.
         device: ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+        log: ``"jsonl"`` (``metrics.jsonl`` only), or ``"tensorboard"``: the same scalars also
+            as TensorBoard event files in ``RUN_DIR/tb`` (the ``tensorboard`` extra).
         out: run folder; ``None``: ``runs/<task>-<mixer>-<date>-<time>``.
     """
 
@@ -141,7 +148,9 @@ class TrainConfig:
     seed: int = 0
     precision: str = "fp32"
     compile: bool = False
+    parallel: str = "ddp"
     device: str = "auto"
+    log: str = "jsonl"
     out: str | None = None
 
     def __post_init__(self) -> None:
@@ -183,6 +192,10 @@ class TrainConfig:
             self._fail("betas", "two numbers in [0, 1), e.g. [0.9, 0.95]")
         if self.precision not in _PRECISIONS:
             self._fail("precision", f"one of {list(_PRECISIONS)}")
+        if self.parallel not in _PARALLEL:
+            self._fail("parallel", f"one of {list(_PARALLEL)}")
+        if self.log not in _LOGS:
+            self._fail("log", f"one of {list(_LOGS)}")
         dev = self.device
         if not (dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
             self._fail("device", "'auto', 'cpu', 'cuda' or 'cuda:N'")
@@ -302,7 +315,9 @@ _FIELD_TYPES: dict[str, Any] = {
     "seed": int,
     "precision": str,
     "compile": bool,
+    "parallel": str,
     "device": str,
+    "log": str,
     "out": str,
 }
 
@@ -321,8 +336,10 @@ RESUMABLE_CHANGES = (
     "sample_tokens",
     "device",
     "compile",
+    "parallel",
     "out",
     "data",
+    "log",
 )
 
 

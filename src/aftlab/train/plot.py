@@ -16,7 +16,14 @@ from torch import nn
 
 from .errors import UsageError
 
-__all__ = ["plot_run", "plot_loss_curves", "position_biases", "conv_kernels", "read_metrics"]
+__all__ = [
+    "plot_run",
+    "plot_loss_curves",
+    "plot_throughput",
+    "position_biases",
+    "conv_kernels",
+    "read_metrics",
+]
 
 
 def _pyplot():
@@ -91,6 +98,35 @@ def plot_loss_curves(runs: dict[str, str | Path], out_png: str | Path) -> Path:
     ax.set_ylabel("loss (nats per target)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    out_png = Path(out_png)
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return out_png
+
+
+def plot_throughput(rows: list[dict[str, Any]], out_png: str | Path, *, device: str) -> Path:
+    """One figure, two bar charts: training tokens/s and peak memory (MiB) per model.
+
+    Args:
+        rows: one dict per model with ``"mixer"``, ``"tokens_per_s"`` and ``"peak_memory_bytes"``
+            (rows without a speed, such as a baseline, are left out).
+        out_png: the PNG to write.
+        device: the device the figures were measured on (in the axis labels).
+    """
+    plt = _pyplot()
+    rows = [r for r in rows if r.get("tokens_per_s") is not None]
+    if not rows:
+        raise UsageError("no model has a measured speed to plot")
+    names = [r["mixer"] for r in rows]
+    fig, (speed, memory) = plt.subplots(1, 2, figsize=(9, 0.45 * len(rows) + 1.5), sharey=True)
+    speed.barh(names, [r["tokens_per_s"] for r in rows], color="C0")
+    speed.set_xlabel(f"training tokens/s ({device})")
+    memory.barh(names, [(r.get("peak_memory_bytes") or 0) / 2**20 for r in rows], color="C1")
+    memory.set_xlabel(f"peak memory, MiB ({device})")
+    speed.invert_yaxis()  # the table's order, top to bottom
+    for ax in (speed, memory):
+        ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     out_png = Path(out_png)
     fig.savefig(out_png, dpi=110)

@@ -1,4 +1,4 @@
-"""The training loop: AdamW, warm-up + cosine, clipping, accumulation, bf16, DDP, checkpoints.
+"""The training loop: AdamW, warm-up + cosine, clipping, accumulation, bf16, DDP/FSDP, checkpoints.
 
 One optimizer step reads the step's global batch of ``batch_size`` sequences: with ``N``
 processes each rank reads its ``batch_size / N`` rows (``task.train_batch(step, rank=r,
@@ -7,8 +7,9 @@ negative log-likelihood over every scored target of the global batch,
 
     L = (1 / n_global) * sum_{ranks, micro-batches, positions} -log p(target),
 
-so each micro-batch backpropagates ``N * nll_sum / n_global`` (DDP averages gradients over the
-``N`` ranks). The result does not depend on ``N`` or ``grad_accum`` beyond float rounding.
+so each micro-batch backpropagates ``N * nll_sum / n_global`` (DDP and FSDP average gradients
+over the ``N`` ranks; :mod:`aftlab.train.distributed`). The result does not depend on ``N`` or
+``grad_accum`` beyond float rounding.
 
 Resuming restores weights, optimizer, step and every RNG; the data position *is* the step, so a
 resumed run reads the batches an uninterrupted run reads and ends with the same weights.
@@ -36,6 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
 from .._json import dumps
 from .build import build_model, build_task, model_config_for, task_info
 from .checkpoint import (
@@ -50,9 +52,18 @@ from .checkpoint import (
     set_rng_state,
 )
 from .config import TrainConfig, resume_conflicts, to_toml
+from .distributed import (
+    full_model_state,
+    full_optimizer_state,
+    load_optimizer_state,
+    no_grad_sync,
+    weights_finite,
+    wrap_model,
+)
 from .errors import UsageError
 from .optim import build_optimizer, lr_at
 from .progress import Progress, format_duration
+from .tensorboard import TensorBoardLog, check_tensorboard
 
 __all__ = [
     "Trainer",
@@ -297,6 +308,8 @@ class Trainer:
 
     def _setup(self) -> None:
         cfg = self.config
+        if cfg.log == "tensorboard":
+            check_tensorboard()  # before anything is written
         self.dist, self.device = init_distributed(cfg.device)
         self._lock()
         ckpt = latest_checkpoint(self.run_dir) if self.resume else None
@@ -319,15 +332,24 @@ class Trainer:
         np.random.seed(cfg.seed)
         random.seed(cfg.seed)
         self.model = build_model(self.model_config, self.task_info).to(self.device)
+        if self.device.type == "cpu" and self.model_config.mixer.startswith("aft"):
+            kernels.status()  # compile the CPU kernels (first use) now, not in a timed step
+        state = load_checkpoint(ckpt, self.model, map_location=self.device) if ckpt else None
+        # FSDP shards self.model in place (full weights first, so a resume may change N)
+        self._sharded = self.dist.active and cfg.parallel == "fsdp"
+        if self._sharded:
+            wrap_model(self.model, parallel="fsdp", device=self.device)
         self.optimizer = build_optimizer(
             self.model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas
         )
         self.step = 0
         self.tokens_seen = 0
-        if ckpt is not None:
-            state = load_checkpoint(ckpt, self.model, map_location=self.device)
+        if state is not None:
             try:
-                self.optimizer.load_state_dict(state["optimizer"])
+                if self._sharded:
+                    load_optimizer_state(self.model, self.optimizer, state["optimizer"])
+                else:
+                    self.optimizer.load_state_dict(state["optimizer"])
                 set_rng_state(state["rng"])
                 self.step = int(state["step"])
                 self.tokens_seen = int(state["tokens_seen"])
@@ -339,11 +361,8 @@ class Trainer:
         train_model: nn.Module = self.model
         if cfg.compile:
             train_model = torch.compile(train_model)
-        if self.dist.active:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            train_model = DDP(train_model, device_ids=ids)
+        if self.dist.active and not self._sharded:
+            train_model = wrap_model(train_model, parallel="ddp", device=self.device)
         self.train_model = train_model
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -374,6 +393,8 @@ class Trainer:
             try:
                 self._metrics.write(dumps(record) + "\n")
                 self._metrics.flush()
+                if self._tb is not None:
+                    self._tb.write(record)
             except OSError as e:
                 raise UsageError(
                     f"could not write {str(self.run_dir / 'metrics.jsonl')!r}: {e.strerror or e} "
@@ -391,13 +412,21 @@ class Trainer:
 
     def _save(self) -> Path | None:
         path = None
-        if not all(bool(torch.isfinite(p).all()) for p in self.model.parameters()):
+        if not weights_finite(self.model, device=self.device):
             raise _Diverged(self.step, "the weights are not finite")  # never saved
-        if self.dist.is_main and self._last_saved != self.step:
+        if self._last_saved == self.step:
+            self._barrier()
+            return path
+        if self._sharded:  # every rank gathers; rank 0 receives the full state
+            weights = full_model_state(self.model)
+            optim = full_optimizer_state(self.model, self.optimizer)
+        else:
+            weights, optim = self.model, self.optimizer.state_dict()
+        if self.dist.is_main:
             path = save_checkpoint(
                 self.run_dir,
                 step=self.step,
-                model=self.model,
+                model=weights,
                 config={
                     "train": self.config.to_dict(),
                     "model": self.model_config.to_dict(),
@@ -406,13 +435,13 @@ class Trainer:
                 train_state={
                     "step": self.step,
                     "tokens_seen": self.tokens_seen,
-                    "optimizer": self.optimizer.state_dict(),
+                    "optimizer": optim,
                     "rng": rng_state(),
                     "world_size": self.dist.world_size,
                 },
                 keep_last=self.config.keep_last,
             )
-            self._last_saved = self.step
+        self._last_saved = self.step
         self._barrier()
         return path
 
@@ -459,7 +488,7 @@ class Trainer:
         for i in range(cfg.grad_accum):
             mb = {k: v[i * self.micro : (i + 1) * self.micro] for k, v in batch.items()}
             sync = d.active and i < cfg.grad_accum - 1
-            with self.train_model.no_sync() if sync else nullcontext():
+            with no_grad_sync(self.train_model) if sync else nullcontext():
                 with _autocast(self.device, cfg.precision):
                     logits = forward_batch(self.train_model, mb, pixels=self._pixels)
                 s, _ = nll_sum(logits, mb["target"])
@@ -508,6 +537,11 @@ class Trainer:
             if self.dist.is_main
             else None
         )
+        self._tb = (
+            TensorBoardLog(self.run_dir, resumed_at=self.step)
+            if self.dist.is_main and cfg.log == "tensorboard"
+            else None
+        )
         n_params = sum(p.numel() for p in self.model.parameters())
         progress = Progress(
             total=cfg.steps,
@@ -519,7 +553,9 @@ class Trainer:
         if self.step == 0 or not self.resume:
             progress.write(
                 f"aftlab: training {cfg.mixer} on {cfg.task} ({n_params:,} parameters, "
-                f"{self.dist.world_size} process(es), device {self.device}) -> {self.run_dir}"
+                f"{self.dist.world_size} process(es)"
+                f"{' ' + cfg.parallel if self.dist.active else ''}, device {self.device}) -> "
+                f"{self.run_dir}"
             )
         else:
             progress.write(f"aftlab: resuming {self.run_dir} at step {self.step}/{cfg.steps}")
@@ -546,6 +582,7 @@ class Trainer:
                         "lr": self._lr,
                         "tokens": self.tokens_seen,
                         "tokens_per_s": tok_s,
+                        "peak_memory_bytes": peak_memory_bytes(self.device, baseline_rss),
                         "time": time.time(),
                     }
                 )
@@ -595,6 +632,8 @@ class Trainer:
                 signal.signal(sig, h)
             if self._metrics is not None:
                 self._metrics.close()
+            if self._tb is not None:
+                self._tb.close()
         summary: dict[str, Any] = {
             "task": cfg.task,
             "mixer": cfg.mixer,
@@ -612,8 +651,9 @@ class Trainer:
             "metric": self.task.metric,
             "resumed_from": start_step if self.resume else None,
         }
-        if self.dist.is_main:
+        if self.dist.is_main or self._sharded:  # a sharded forward needs every rank
             test = self.evaluate("test", cfg.test_batches or None)
+        if self.dist.is_main:
             summary.update(
                 {"test_loss": test["loss"], "test_" + self.task.metric: test[self.task.metric]}
             )
@@ -636,7 +676,7 @@ class Trainer:
 
                 print("--- sample ---", file=self.out, flush=True)
                 sample_text(
-                    self.model,
+                    self._unsharded_model(),
                     self.task,
                     prompt=None,
                     tokens=cfg.sample_tokens,
@@ -649,8 +689,9 @@ class Trainer:
         return summary
 
     def _periodic_eval(self, progress: Progress) -> None:
-        if self.dist.is_main:
+        if self.dist.is_main or self._sharded:  # a sharded forward needs every rank
             res = self.evaluate("val", self.config.eval_batches)
+        if self.dist.is_main:
             metric = self.task.metric
             self._log(
                 {
@@ -665,6 +706,20 @@ class Trainer:
                 f"step {self.step}: val loss {res['loss']:.4f}, val {metric} {res[metric]:.4f}"
             )
         self._barrier()
+
+    def _unsharded_model(self) -> nn.Module:
+        """The model for rank 0 alone (sampling): itself, or under FSDP the final checkpoint's.
+
+        A sharded model's forward is collective, and decoding calls the blocks one by one, so
+        rank 0 reads the checkpoint just saved into a plain model, as ``aftlab sample`` does.
+        """
+        if not self._sharded:
+            return self.model
+        with torch.random.fork_rng(devices=[]):  # building initialises: leave the RNGs alone
+            model = build_model(self.model_config, self.task_info).to(self.device)
+        ckpt = latest_checkpoint(self.run_dir)
+        load_checkpoint(ckpt, model, map_location=self.device, with_state=False)
+        return model
 
 
 def _is_pixel_task(task: Any) -> bool:

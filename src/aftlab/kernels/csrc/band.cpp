@@ -26,6 +26,17 @@
 // one pass forward folds key t - lo - 1 into the prefix state, reads the band keys straight
 // from k, v (in cache) and writes y_t. Saved for the backward: M_t and 1/den_t (B, T, DK), so
 // P_{t,t'} = exp(k_t' + w'_{t,t'} - M_t) / den_t.
+// Per-channel keys (aft-local) factorise the exponential, exp(w + k - a_t - b) =
+// exp(w - a_t) exp(k - b), with a_t = max(0, row t's visible band biases) and b per channel the
+// largest key the query may see (causal: valid keys t' <= t, a running maximum; non-causal: all
+// keys): the band's exp(k - b) and exp(k - b) v sc are kept in a ring of W key rows (a channel's
+// rows are recomputed when its b rises), so the inner loop over (band key, channel) is two FMAs
+// and the exponentials are O(T (d + W)), not O(T W d). A row takes the exact per-(t, c) path
+// above where any channel's den < FLOOR (2^-64; the maximisers of w and k disagree by ~44 or
+// more, e.g. magnitudes ~1e4), where |a_t| or |b| > 2^20, or where den is NaN (NaN, inf input):
+// exact for every finite input, and still bit-causal (every quantity of query t is of keys the
+// query sees). It saves M_t = a_t + b + e ln2 and 1/f with den = f 2^e, f in [1, 2), so the
+// backward's exp(k + w - M_t) <= 2 and 1/den <= 1 as on the exact path.
 //
 // Backward (dO = g sigma(q), E_t = sum_{c of the key} g y = dO . O):
 //   dv_t' = sum_t P_{t,t'} dO_t,  dk_t' = sum_c v_t' dv_t' - sum_t P_{t,t'} E_t,
@@ -34,7 +45,11 @@
 // prefix t <= t' - hi - 1) of queries: stable scans with keys -M_t and values dO_t / den_t,
 // E_t / den_t (exp(k_t' - M_t) <= 1 for every query that sees t'). One reverse pass over keys
 // keeps the band's queries (dO, E, M, 1/den) in a ring of W rows; non-causal, a forward pass
-// first writes the query-prefix part into dk, dv. dw is accumulated per task into its own
+// first writes the query-prefix part into dk, dv. Per-channel keys (aft-local) leave the band to
+// a last pass forward over queries with the band's keys in a ring (band_keys), factorised as
+// the forward: P = exp(w - a_t) exp(k - b) p_t, p_t = exp(a_t + b - M_t) / den_t, so the band
+// costs FMAs and O(T (d + W)) exps; a query with a live channel outside that range takes the
+// exact P. dw is accumulated per task into its own
 // float64 buffer and the buffers are summed in task order: deterministic, no atomics.
 // A query with no upstream gradient in a key's channels (g = 0; dO = E = 0 by a select) is left
 // out of the scans, and in the ring its shift is +inf and 1/den 0, so P = 0 exactly for finite
@@ -55,6 +70,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace aftlab {
@@ -67,6 +83,50 @@ constexpr double NEG_INF = -std::numeric_limits<double>::infinity();
 template <typename T>
 inline T expd(double x) {
   return exp_nonpos(static_cast<T>(x));
+}
+
+// exp(x) of a float64 x <= 88 in the value type T: float64 range reduction x = n ln2 + r, then
+// exp_nonpos(r) 2^n in T, so the result keeps T's relative precision for any |x| (a plain cast
+// of x to float32 costs |x| 6e-8 of it). Below -87 (float32; float64: libm) it is 0.
+template <typename T>
+inline T exp_fine(double x) {
+  if constexpr (std::is_same_v<T, double>) {
+    return std::exp(x);
+  } else {
+    const double xc = x < -87.0 ? -87.0 : x;
+    const double nf = (xc * 1.4426950408889634 + 6755399441055744.0) - 6755399441055744.0;
+    const float r = static_cast<float>(xc - nf * 0.6931471805599453);
+    const int32_t bits = (static_cast<int32_t>(nf) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, 4);
+    const float res = exp_nonpos(r) * scale;
+    return x < -87.0 ? 0.0f : res;
+  }
+}
+
+// The factorised path (per-channel keys): den >= FLOOR keeps every term that matters far above
+// the range where its two factors could underflow; |shift| <= BIG keeps a + b (float64) exact
+// to ~1e-10. Rows outside take the exact path.
+template <typename T>
+constexpr T FLOOR = std::is_same_v<T, double> ? T(0x1p-600) : T(0x1p-64);
+constexpr double BIG = 0x1p20;
+
+// x > 0 finite normal as f 2^e with f in [1, 2): returns e, sets f.
+inline int split2(float x, float& f) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  const int e = static_cast<int>((b >> 23) & 0xff) - 127;
+  b = (b & 0x807fffffu) | 0x3f800000u;
+  std::memcpy(&f, &b, 4);
+  return e;
+}
+inline int split2(double x, double& f) {
+  uint64_t b;
+  std::memcpy(&b, &x, 8);
+  const int e = static_cast<int>((b >> 52) & 0x7ff) - 1023;
+  b = (b & 0x800fffffffffffffull) | 0x3ff0000000000000ull;
+  std::memcpy(&f, &b, 8);
+  return e;
 }
 
 struct Geo {
@@ -166,6 +226,20 @@ void band_fwd(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
       auto kx = [&](int64_t t) { return (tk.b * Tn + t) * geo.DK + tk.k0; };
       auto vx = [&](int64_t t) { return (tk.b * Tn + t) * geo.D + tk.c0; };
       auto valid = [&](int64_t t) { return Mk == nullptr || Mk[tk.b * Tn + t]; };
+      // factorised path (per-channel keys): shift b per channel (causal: the largest valid key
+      // t' <= t; non-causal: of all keys) and a ring of the band keys' exp(k - b), exp(k - b) v sc
+      const int64_t R = std::max<int64_t>(1, std::min(geo.W, Tn));
+      std::vector<double> bsh(BC ? 0 : nk, NEG_INF);
+      std::vector<T> ek(BC ? 0 : R * nk), ekv(BC ? 0 : R * cn);
+      auto put = [&](int64_t u, int64_t c0, int64_t c1) {  // ring row of key u, channels [c0, c1)
+        const T *k = K + kx(u), *v = V + vx(u);
+        T *er = ek.data() + (u % R) * nk, *evr = ekv.data() + (u % R) * cn;
+        #pragma omp simd
+        for (int64_t c = c0; c < c1; ++c) {
+          er[c] = exp_fine<T>(static_cast<double>(k[c]) - bsh[c]);
+          evr[c] = er[c] * (v[c] * sc);
+        }
+      };
       auto reset = [&] {
         std::fill(m.begin(), m.end(), NEG_INF);
         std::fill(s.begin(), s.end(), T(0));
@@ -178,7 +252,13 @@ void band_fwd(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
           if (tn < Tn && valid(tn))
             fold<T, BC>(K + kx(tn), V + vx(tn), sc, nk, cn, m.data(), s.data(), n.data(),
                         a.data(), w.data());
-          if (valid(t)) vmax(vm.data(), V + vx(t), sc, cn);  // every query sees every key
+          if (valid(t)) {
+            vmax(vm.data(), V + vx(t), sc, cn);  // every query sees every key
+            if constexpr (!BC) {
+              const T* k = K + kx(t);
+              for (int64_t c = 0; c < nk; ++c) bsh[c] = k[c] > bsh[c] ? k[c] : bsh[c];
+            }
+          }
           std::copy(m.begin(), m.end(), MX + kx(t));
           std::copy(s.begin(), s.end(), IV + kx(t));
           std::copy(n.begin(), n.end(), Y + vx(t));
@@ -189,12 +269,78 @@ void band_fwd(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
       std::vector<int64_t> rows(nb);  // the valid band keys of query t ...
       std::vector<double> wv(nb), z(nb);  // ... their biases, exponents k + w (BC)
       std::vector<T> e(nb);
+      // One query row on the factorised path; false (nothing written) where a channel's den is
+      // below FLOOR, its shift is not finite or beyond BIG (NaN included): the exact path runs.
+      // exp(k + w - a - b) = exp(w - a) exp(k - b), a = max(0, visible band biases):
+      //   den = exp(-a) (s_pre exp(m_pre - b) + s_suf exp(m_suf - b)) + sum_r exp(w_r - a) ek_r
+      // (num alike with n, ekv); saved M = a + b + e ln2, 1/den' = 1/f with den = f 2^e.
+      auto fact_row = [&](int64_t nr, const double* ms, const T* ss, const T* ns, const T* q,
+                          T* y, double* Mo, T* Io) -> bool {
+        double a0 = 0.0;
+        for (int64_t r = 0; r < nr; ++r) a0 = wv[r] > a0 ? wv[r] : a0;
+        if (!(a0 <= BIG)) return false;
+        const T e0 = exp_fine<T>(-a0);
+        for (int64_t r = 0; r < nr; ++r) e[r] = exp_fine<T>(wv[r] - a0);
+        #pragma omp simd
+        for (int64_t c = 0; c < cn; ++c) {
+          const T p = exp_fine<T>(m[c] - bsh[c]);
+          den[c] = e0 * (s[c] * p);
+          num[c] = e0 * (n[c] * p);
+        }
+        if (ms) {
+          #pragma omp simd
+          for (int64_t c = 0; c < cn; ++c) {
+            const T p = exp_fine<T>(ms[c] - bsh[c]);
+            den[c] += e0 * (ss[c] * p);
+            num[c] += e0 * (ns[c] * p);
+          }
+        }
+        for (int64_t r = 0; r < nr; ++r) {
+          const T *er = ek.data() + (rows[r] % R) * nk, *evr = ekv.data() + (rows[r] % R) * cn;
+          const T ew = e[r];
+          #pragma omp simd
+          for (int64_t c = 0; c < cn; ++c) {
+            den[c] += ew * er[c];
+            num[c] += ew * evr[c];
+          }
+        }
+        int bad = 0;
+        #pragma omp simd reduction(+ : bad)
+        for (int64_t c = 0; c < cn; ++c)
+          bad += !(den[c] >= FLOOR<T> && std::abs(bsh[c]) <= BIG);
+        if (bad) return false;
+        #pragma omp simd
+        for (int64_t c = 0; c < cn; ++c) y[c] = output(q[c], num[c] / den[c], vm[c], unsc);
+        if (Mo)
+          for (int64_t c = 0; c < cn; ++c) {
+            T f;
+            const int ex = split2(den[c], f);
+            Mo[c] = (a0 + bsh[c]) + ex * 0.6931471805599453;
+            Io[c] = T(1) / f;
+          }
+        return true;
+      };
+      if (!BC && !geo.causal)
+        for (int64_t u = 0; u < std::min(hi, Tn); ++u)
+          if (valid(u)) put(u, 0, nk);
       for (int64_t t = 0; t < Tn; ++t) {
         const int64_t tp = t - lo - 1;  // leaves the band, enters the prefix
         if (tp >= 0 && valid(tp))
           fold<T, BC>(K + kx(tp), V + vx(tp), sc, nk, cn, m.data(), s.data(), n.data(), a.data(),
                       w.data());
         if (geo.causal && valid(t)) vmax(vm.data(), V + vx(t), sc, cn);  // the keys t' <= t
+        if (!BC && geo.causal && valid(t)) {  // key t raises b: redo the ring rows of its channels
+          const T* k = K + kx(t);
+          for (int64_t c = 0; c < nk; ++c) {
+            if (!(k[c] > bsh[c])) continue;
+            bsh[c] = k[c];
+            for (int64_t u = std::max<int64_t>(0, t - lo); u < t; ++u)
+              if (valid(u)) put(u, c, c + 1);
+          }
+          put(t, 0, nk);
+        } else if (!BC && !geo.causal && t + hi < Tn && valid(t + hi)) {
+          put(t + hi, 0, nk);
+        }
         const double* wr = Wb + ((geo.Tb == 1 ? 0 : t) * geo.G + tk.g) * geo.W;
         int64_t nr = 0;
         for (int64_t u = std::max<int64_t>(0, t - lo); u <= std::min(Tn - 1, t + hi); ++u) {
@@ -237,7 +383,7 @@ void band_fwd(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
             Mo[0] = Mg;
             Io[0] = inv;
           }
-        } else {
+        } else if (!fact_row(nr, ms, ss, ns, q, y, Mo, Io)) {
           std::copy(m.begin(), m.end(), M.begin());
           if (ms)
             for (int64_t c = 0; c < cn; ++c) M[c] = ms[c] > M[c] ? ms[c] : M[c];
@@ -391,6 +537,120 @@ void band_bwd(const T* __restrict__ GY, const T* __restrict__ Q, const T* __rest
           std::copy(accv.begin(), accv.end(), dv);
         }
       }
+      // Per-channel keys: the band part, one pass forward over queries with the band's keys in a
+      // ring of R rows: exp(k - b) (b the forward's shift: causal, the largest valid key
+      // t' <= t, its rows recomputed where it rises; non-causal, of all keys) and the band sums
+      // of dv, dk. P = exp(w - a_t) exp(k - b) p_t with p_t = exp(a_t + b - M_t) / den_t, the
+      // exps O(T (d + W)); a query with a live channel outside the factorised range (p_t would
+      // pass 2^65, |b| or |a_t| > 2^20, no key, NaN) takes the exact P = exp(k + w - M_t) / den_t.
+      // A key is finished when it leaves the band: dv += band sums, dk += band sum + v dv.
+      auto band_keys = [&] {
+        std::vector<double> bsh(nk, NEG_INF), qM(nk);
+        std::vector<T> ek(R * nk), bv(R * cn), bk(R * nk), qdo(cn), qE(nk), qL(nk), qI(nk),
+            Pt(nk), ew(geo.W);
+        auto raise = [&](int64_t t) {
+          const T* k = K + kx(t);
+          for (int64_t c = 0; c < nk; ++c) bsh[c] = k[c] > bsh[c] ? k[c] : bsh[c];
+        };
+        if (!geo.causal)
+          for (int64_t t = 0; t < Tn; ++t)
+            if (valid(t)) raise(t);
+        auto put = [&](int64_t u, int64_t c0, int64_t c1) {
+          const T* k = K + kx(u);
+          T* e = ek.data() + (u % R) * nk;
+          #pragma omp simd
+          for (int64_t c = c0; c < c1; ++c) e[c] = exp_fine<T>(static_cast<double>(k[c]) - bsh[c]);
+        };
+        auto enter = [&](int64_t u) {
+          put(u, 0, nk);
+          std::fill_n(bv.data() + (u % R) * cn, cn, T(0));
+          std::fill_n(bk.data() + (u % R) * nk, nk, T(0));
+        };
+        auto query = [&](int64_t t) {
+          prep(t, qdo.data(), qE.data(), qL.data(), false);
+          const double* wr = Wb + ((geo.Tb == 1 ? 0 : t) * geo.G + tk.g) * geo.W;
+          const int64_t ua = std::max<int64_t>(0, t - lo), uz = std::min(Tn - 1, t + hi);
+          double a0 = 0.0;  // the forward's a_t
+          for (int64_t u = ua; u <= uz; ++u)
+            if (valid(u)) a0 = wr[u - t + lo] > a0 ? wr[u - t + lo] : a0;
+          for (int64_t u = ua; u <= uz; ++u)
+            ew[u - t + lo] = a0 <= BIG ? exp_fine<T>(wr[u - t + lo] - a0) : T(0);
+          const double* Ms = MX + kx(t);
+          const T* Is = IV + kx(t);
+          T live = 0, bad = 0;
+          #pragma omp simd reduction(+ : live, bad)
+          for (int64_t c = 0; c < nk; ++c) {
+            const bool on = qL[c] != T(0);
+            const double x = a0 + bsh[c] - Ms[c];
+            const bool ok = (Is[c] > T(0)) & (std::abs(bsh[c]) <= BIG) & (a0 <= BIG) & (x <= 45.0);
+            Pt[c] = on && ok ? exp_fine<T>(ok ? x : 0.0) * Is[c] : T(0);
+            qM[c] = on ? Ms[c] : std::numeric_limits<double>::infinity();
+            qI[c] = on ? Is[c] : T(0);
+            live += on ? T(1) : T(0);
+            bad += on && !ok ? T(1) : T(0);
+          }
+          if (live == T(0)) return;  // no upstream gradient: contributes exactly 0
+          for (int64_t u = ua; u <= uz; ++u) {
+            if (!valid(u)) continue;
+            const int64_t jw = u - t + lo, wi = ((geo.Tb == 1 ? 0 : t) * geo.G + tk.g) * geo.W + jw;
+            const T* __restrict__ v = V + vx(u);
+            const T* __restrict__ k = K + kx(u);
+            const T* __restrict__ e = ek.data() + (u % R) * nk;
+            const T *__restrict__ pt = Pt.data(), *__restrict__ dO = qdo.data(),
+                    *__restrict__ Et = qE.data();
+            T* __restrict__ sv = bv.data() + (u % R) * cn;
+            T* __restrict__ sk = bk.data() + (u % R) * nk;
+            T sum = 0;  // dw: sum of P (dO . v - E) over the task's channels
+            if (bad == T(0)) {
+              const T ewj = ew[jw];
+              #pragma omp simd reduction(+ : sum)
+              for (int64_t c = 0; c < cn; ++c) {
+                const T P = ewj * e[c] * pt[c];
+                const T pd = P * dO[c], pe = P * Et[c];
+                sv[c] += pd;
+                sk[c] -= pe;
+                sum += v[c] * pd - pe;
+              }
+            } else {
+              const double wv = wr[jw];
+              #pragma omp simd reduction(+ : sum)
+              for (int64_t c = 0; c < cn; ++c) {
+                const T P = expd<T>(static_cast<double>(k[c]) + wv - qM[c]) * qI[c];
+                const T pd = P * dO[c], pe = P * Et[c];
+                sv[c] += pd;
+                sk[c] -= pe;
+                sum += v[c] * pd - pe;
+              }
+            }
+            dwp[wi] += static_cast<double>(sum);
+          }
+        };
+        auto finish = [&](int64_t u) {
+          T *dk = DK + kx(u), *dv = DV + vx(u);
+          const T *v = V + vx(u), *sv = bv.data() + (u % R) * cn, *sk = bk.data() + (u % R) * nk;
+          #pragma omp simd
+          for (int64_t c = 0; c < cn; ++c) {
+            dv[c] += sv[c];
+            dk[c] = (dk[c] + sk[c]) + v[c] * dv[c];
+          }
+        };
+        for (int64_t t = -hi; t < Tn + lo; ++t) {
+          if (geo.causal && t < Tn && valid(t)) {  // key t enters; where it raises b, redo rows
+            const T* k = K + kx(t);
+            for (int64_t c = 0; c < nk; ++c) {
+              if (!(k[c] > bsh[c])) continue;
+              bsh[c] = k[c];
+              for (int64_t u = std::max<int64_t>(0, t - lo); u < t; ++u)
+                if (valid(u)) put(u, c, c + 1);
+            }
+            enter(t);
+          } else if (!geo.causal && t + hi < Tn && valid(t + hi)) {
+            enter(t + hi);
+          }
+          if (t >= 0 && t < Tn) query(t);
+          if (t - lo >= 0 && t - lo < Tn && valid(t - lo)) finish(t - lo);
+        }
+      };
       // reverse pass over keys; the ring holds queries t' - hi .. t' + lo (slot t mod R)
       reset();
       // a ring row: where L = 0 the query's shift is +inf and 1/den 0, so P = exp(-inf) 0 = 0
@@ -434,7 +694,7 @@ void band_bwd(const T* __restrict__ GY, const T* __restrict__ Q, const T* __rest
           for (int64_t c = 0; c < cn; ++c) accv[c] += dv[c];
         }
         const int64_t ta = std::max<int64_t>(0, u - hi), tz = std::min(Tn - 1, u + lo);
-        for (int64_t t = ta; t <= tz; ++t) {  // the queries whose band holds key u
+        for (int64_t t = ta; BC && t <= tz; ++t) {  // the queries whose band holds key u
           const int64_t r = t % R, jw = u - t + lo;
           const int64_t wi = ((geo.Tb == 1 ? 0 : t) * geo.G + tk.g) * geo.W + jw;
           const double wv = Wb[wi];
@@ -453,15 +713,6 @@ void band_bwd(const T* __restrict__ GY, const T* __restrict__ Q, const T* __rest
             const T pe = P * Et[0];
             acck[0] -= pe;
             sum -= pe;
-          } else {
-            #pragma omp simd reduction(+ : sum)
-            for (int64_t c = 0; c < cn; ++c) {
-              const T P = expd<T>(static_cast<double>(k[c]) + wv - Mt[c]) * it[c];
-              const T pd = P * dO[c], pe = P * Et[c];
-              accv[c] += pd;
-              acck[c] -= pe;
-              sum += v[c] * pd - pe;
-            }
           }
           dwp[wi] += static_cast<double>(sum);
         }
@@ -472,10 +723,10 @@ void band_bwd(const T* __restrict__ GY, const T* __restrict__ Q, const T* __rest
           for (int64_t c = 0; c < cn; ++c) vd += v[c] * accv[c];
           dk[0] = acck[0] + vd;
         } else {
-          #pragma omp simd
-          for (int64_t c = 0; c < cn; ++c) dk[c] = acck[c] + v[c] * accv[c];
+          std::copy(acck.begin(), acck.end(), dk);  // the band part follows (band_keys)
         }
       }
+      if constexpr (!BC) band_keys();
     }
   });
 }

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..base import SequenceMixer
+from ..base import SequenceMixer, mark_residual_projection
 
 __all__ = ["AFTMixer", "RunningSums", "shifted_sums", "state_dtype"]
 
@@ -109,6 +109,9 @@ class RunningSums:
 class AFTMixer(SequenceMixer):
     """Base class of the AFT mixers: owns ``W^Q``, ``W^K``, ``W^V`` and the output projection.
 
+    The output projection ``proj`` (``W^O``) is marked a residual projection
+    (:func:`~aftlab.mixers.base.mark_residual_projection`).
+
     Args:
         key_dim: width of ``K``; ``d_model`` for AFT-full/local/simple/decay, ``n_heads`` for
             AFT-conv (one key channel per head).
@@ -127,7 +130,7 @@ class AFTMixer(SequenceMixer):
         self.to_q = nn.Linear(d, d, bias=self.bias)
         self.to_k = nn.Linear(d, self.key_dim, bias=self.bias)
         self.to_v = nn.Linear(d, d, bias=self.bias)
-        self.proj = nn.Linear(d, d, bias=self.bias)
+        self.proj = mark_residual_projection(nn.Linear(d, d, bias=self.bias))
         self.drop = nn.Dropout(self.dropout_p)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

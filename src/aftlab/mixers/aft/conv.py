@@ -98,9 +98,17 @@ class AFTConvMixer(AFTMixer):
         shape = (h, s) if grid is None else (h, s, s)
         stat_shape = (h,) + (1,) * (len(shape) - 1)
         self.weight = nn.Parameter(torch.empty(shape))  # the paper's raw w^i
-        self.gamma = nn.Parameter(torch.zeros(stat_shape))
-        self.beta = nn.Parameter(torch.zeros(stat_shape))
+        self.gamma = nn.Parameter(torch.empty(stat_shape))
+        self.beta = nn.Parameter(torch.empty(stat_shape))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The kernel's init hook: raw ``w ~ N(0, 1)``, ``gamma = beta = 0`` (kernel 0: the mixer
+        starts as AFT-simple)."""
         nn.init.normal_(self.weight)
+        nn.init.zeros_(self.gamma)
+        nn.init.zeros_(self.beta)
 
     def kernel(self) -> torch.Tensor:
         """The reparameterised kernel ``w^i = gamma^i (w^i - mean(w^i)) / std(w^i) + beta^i``.

@@ -91,8 +91,15 @@ class AFTDecay(AFTMixer):
                 f"AFTDecay: 'layer_idx' must be < n_layers = {n_layers}, got {layer_idx}"
             )
         self.layer_idx, self.n_layers = layer_idx, n_layers
-        self.time_decay = nn.Parameter(rwkv_decay_init(d_model, layer_idx, n_layers))
-        self.time_bonus = nn.Parameter(rwkv_bonus_init(d_model))
+        self.time_decay = nn.Parameter(torch.empty(d_model))
+        self.time_bonus = nn.Parameter(torch.empty(d_model))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The init hook: RWKV-4's decays and bonus (module docstring) for this layer."""
+        self.time_decay.copy_(rwkv_decay_init(self.d_model, self.layer_idx, self.n_layers))
+        self.time_bonus.copy_(rwkv_bonus_init(self.d_model))
 
     def decay(self) -> torch.Tensor:
         """``lambda = exp(min(w_raw, 30))``, ``(d,)``.

@@ -29,10 +29,20 @@ class PositionBias(nn.Module):
         super().__init__()
         self.max_seq_len, self.rank = max_seq_len, rank
         if rank is None:
-            self.w = nn.Parameter(torch.zeros(max_seq_len, max_seq_len))
+            self.w = nn.Parameter(torch.empty(max_seq_len, max_seq_len))
         else:
-            self.u = nn.Parameter(torch.randn(max_seq_len, rank) / math.sqrt(rank))
-            self.v = nn.Parameter(torch.zeros(max_seq_len, rank))
+            self.u = nn.Parameter(torch.empty(max_seq_len, rank))
+            self.v = nn.Parameter(torch.empty(max_seq_len, rank))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """``U ~ N(0, 1/r)``, ``V = 0`` (or ``w = 0``): the bias starts at 0."""
+        if self.rank is None:
+            nn.init.zeros_(self.w)
+        else:
+            nn.init.normal_(self.u, std=1 / math.sqrt(self.rank))
+            nn.init.zeros_(self.v)
 
     def matrix(self, T: int) -> torch.Tensor:
         """``w[:T, :T]``: ``(T, T)``."""
@@ -90,6 +100,10 @@ class AFTFull(AFTMixer):
         if bias_rank is not None:
             check_positive_int(where, "bias_rank", bias_rank)
         self.pos_bias = PositionBias(T_max, rank=bias_rank)
+
+    def reset_parameters(self) -> None:
+        """The init hook: the position bias starts at 0 (:class:`PositionBias`)."""
+        self.pos_bias.reset_parameters()
 
     def forward(
         self,

@@ -15,7 +15,6 @@ from .full import PositionBias, require_max_seq_len
 
 __all__ = ["AFTLocal", "AFTLocalState"]
 
-_BAND_CHUNK = 1 << 22  # elements of one (rows, W, rank) chunk when forming the band of U V^T
 
 
 @dataclass
@@ -61,6 +60,10 @@ class AFTLocal(AFTMixer):
             check_positive_int(where, "bias_rank", bias_rank)
         self.pos_bias = PositionBias(T_max, rank=bias_rank)
 
+    def reset_parameters(self) -> None:
+        """The init hook: the position bias starts at 0 (:class:`PositionBias`)."""
+        self.pos_bias.reset_parameters()
+
     def band(self, T: int) -> torch.Tensor:
         """``w_band (T, W)``, ``w_band[t, j] = w[t, t + j - (s - 1)]`` (0 outside ``[0, T)``)."""
         geo = band_geometry(T, max(self.window, 1), causal=self.causal)
@@ -72,19 +75,13 @@ class AFTLocal(AFTMixer):
         if pb.rank is None:
             band = pb.w[:T, :T].gather(1, cols)  # backward: scatter_add_ by row, deterministic
         else:
-            # w_band[t, j] = u_t . v_{t + j - beta}: row t's keys are the window vp[t : t + W]
-            # of v padded with zeros. unfold, not v[cols]: the backward of an advanced index is
-            # index_put_(accumulate=True), whose CPU result depends on thread scheduling.
+            # w_band[t, j] = u_t . v_{t + j - beta}, with v padded by zeros: one shifted row-wise
+            # dot product per band offset j, so neither direction forms a (T, rank, W) tensor,
+            # and every gradient is a plain sum in a fixed order (deterministic; an advanced
+            # index v[cols] would sum its backward in thread order).
             vp = torch.nn.functional.pad(pb.v[:T], (0, 0, geo.beta, geo.W - 1 - geo.beta))
-            rows = max(1, _BAND_CHUNK // (geo.W * pb.rank))
-            band = torch.cat([
-                torch.einsum(
-                    "tr,trw->tw",
-                    pb.u[i : min(T, i + rows)],
-                    vp[i : min(T, i + rows) + geo.W - 1].unfold(0, geo.W, 1),
-                )
-                for i in range(0, T, rows)
-            ])
+            u = pb.u[:T]
+            band = torch.stack([(u * vp[j : j + T]).sum(-1) for j in range(geo.W)], 1)
         return band.masked_fill(~inside, 0.0)
 
     def forward(

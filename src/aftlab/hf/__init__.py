@@ -1,0 +1,31 @@
+"""Hugging Face transformers integration: aftlab language models as transformers models.
+
+Importing this package registers ``model_type = "aftlab"`` with ``AutoConfig`` and
+``AutoModelForCausalLM``, so ``AutoModelForCausalLM.from_pretrained(folder)`` loads a folder
+written by ``save_pretrained`` or ``aftlab export`` (safetensors weights, JSON config).
+Needs the ``hf`` extra: ``pip install 'aftlab[hf]'`` (docs/huggingface.md).
+
+Example:
+    >>> import torch
+    >>> from aftlab.hf import AftlabConfig, AftlabForCausalLM
+    >>> model = AftlabForCausalLM(AftlabConfig(vocab_size=256, d_model=32, n_layers=2,
+    ...                                        n_heads=2, max_seq_len=64, mixer="aft-full"))
+    >>> model.eval().generate(torch.tensor([[104, 105]]), max_new_tokens=4).shape
+    torch.Size([1, 6])
+"""
+
+from __future__ import annotations
+
+try:
+    import transformers
+except ImportError as e:  # pragma: no cover - the hf extra is missing
+    raise ImportError("aftlab.hf needs Hugging Face transformers: pip install 'aftlab[hf]'") from e
+
+from .configuration import AftlabConfig
+from .export import export_run
+from .modeling import AftlabCausalLMOutput, AftlabForCausalLM
+
+__all__ = ["AftlabConfig", "AftlabForCausalLM", "AftlabCausalLMOutput", "export_run"]
+
+transformers.AutoConfig.register(AftlabConfig.model_type, AftlabConfig, exist_ok=True)
+transformers.AutoModelForCausalLM.register(AftlabConfig, AftlabForCausalLM, exist_ok=True)
