@@ -11,5 +11,5 @@ exec python -m aftlab.bench \
   --causal --also-noncausal aft-full \
   --device cuda --dtype float32 \
   --repeats 10 --max-seconds-per-case 30 \
-  --compare-aft-pytorch --compare-lengths 256,1024,4096 \
+  --peers aft-pytorch,hf-rwkv --compare-lengths 256,1024,4096 \
   --out "$OUT"

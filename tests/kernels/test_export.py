@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from aftlab import kernels
-from aftlab.ops import aft_conv, aft_decay, aft_simple
+from aftlab.ops import aft_conv, aft_decay, aft_full, aft_simple
 from aftlab.ops.aft_local import aft_local_band
 
 needs_kernels = pytest.mark.skipif(
@@ -23,6 +23,10 @@ CASES = {
     "aft_local causal": (
         lambda q, k, v: aft_local_band(q, k, v, torch.ones(T, s) * 0.1, s, causal=True),
         "band",
+    ),
+    "aft_full causal": (
+        lambda q, k, v: aft_full(q, k, v, torch.linspace(-1, 1, T * T).view(T, T), causal=True),
+        "full",
     ),
     "aft_conv": (
         lambda q, k, v: aft_conv(
