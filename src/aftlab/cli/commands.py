@@ -246,7 +246,13 @@ def cmd_train(args: argparse.Namespace) -> int:
             f"run folder {str(run_dir)!r} already exists; continue it with --resume, or choose "
             "another --out"
         )
-    summary = Trainer(cfg, run_dir=run_dir, resume=args.resume).fit()
+    try:
+        summary = Trainer(cfg, run_dir=run_dir, resume=args.resume).fit()
+    finally:  # under torchrun: leave the process group before exit (gloo's threads abort otherwise)
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
     if summary.get("diverged"):
         return 1  # the trainer printed the one line saying where and why
     return 130 if summary.get("interrupted") else 0
