@@ -165,6 +165,7 @@ def test_single_process_run_resumes_with_two_fsdp_processes(runs):
 
 
 ROUND_TRIP = """
+import os
 import sys
 import torch
 import torch.distributed as dist
@@ -208,6 +209,8 @@ if dist.get_rank() == 0:
             assert torch.equal(optim["state"][i][k], v), (i, k)
     print("bit-identical")
 dist.destroy_process_group()
+sys.stdout.flush()
+os._exit(0)  # as aftlab train does: gloo may abort in exit-time destructors (cli/commands.py)
 """
 
 

@@ -248,14 +248,28 @@ def cmd_train(args: argparse.Namespace) -> int:
         )
     try:
         summary = Trainer(cfg, run_dir=run_dir, resume=args.resume).fit()
-    finally:  # under torchrun: leave the process group before exit (gloo's threads abort otherwise)
-        import torch.distributed as dist
+    finally:
+        distributed = _leave_process_group()
+    # diverged: the trainer printed the one line saying where and why
+    rc = 1 if summary.get("diverged") else 130 if summary.get("interrupted") else 0
+    if distributed:
+        # torch 2.13's gloo backend (FSDP2 on CPU) now and then aborts in exit-time destructors
+        # ("terminate called without an active exception") after all work is done and the
+        # group destroyed: a torchrun worker ends here, its files closed and streams flushed
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    return rc
 
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-    if summary.get("diverged"):
-        return 1  # the trainer printed the one line saying where and why
-    return 130 if summary.get("interrupted") else 0
+
+def _leave_process_group() -> bool:
+    """Destroy the torchrun process group if this process joined one; True if it did."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        return True
+    return False
 
 
 # --------------------------------------------------------------------------- eval, sample
