@@ -1,4 +1,4 @@
-"""Peak memory of aft_full forward+backward above its inputs (issue 3: <= 3 GiB at B=8, T=2048,
+"""Peak memory of aft_full forward+backward above its inputs (budget: <= 3 GiB at B=8, T=2048,
 d=512, float32, CPU). Peak RSS (VmHWM) is read in this fresh process before and after.
 
     python benchmarks/aft_full_memory.py [--causal] [--batch 8] [--length 2048] [--dim 512]

@@ -9,7 +9,7 @@
 set -euo pipefail
 OUT="${1:-docs/benchmarks}"
 exec python -m aftlab.bench \
-  --mixers aft-simple,aft-decay,aft-local,aft-conv,attention-sdpa,aft-full,attention-naive \
+  --mixers aft-simple,aft-decay,aft-local,aft-conv,attention,aft-full,attention-naive \
   --lengths 256,1024,2048,4096,16384 \
   --decode-positions 128,1024,4096,16384 \
   --batch 4 --dim 256 --heads 4 \

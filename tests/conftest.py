@@ -17,3 +17,15 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def one_thread():
+    """Small tensors run on one thread: no oversubscription of the shared CPUs.
+
+    Use it per module: ``pytestmark = pytest.mark.usefixtures("one_thread")``.
+    """
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -32,3 +32,31 @@ def test_dtype_errors_are_both_value_and_type_errors():
     ):
         check_tensor("op", "x", torch.zeros(1, dtype=torch.long), floating=True)
     assert issubclass(DTypeError, ValueError) and issubclass(DTypeError, TypeError)
+
+
+def test_decode_feeds_step_token_by_token_and_continues_from_a_state():
+    from aftlab.testing import decode
+
+    class Running:  # y_t = running sum of x, the state its count and sum
+        def init_state(self, batch_size):
+            return (0, torch.zeros(batch_size, 2))
+
+        def step(self, x, state):
+            n, s = state
+            return s + x, (n + 1, s + x)
+
+    x = torch.randn(3, 5, 2)
+    y, state = decode(Running(), x[:, :2])
+    y2, state = decode(Running(), x[:, 2:], state)
+    assert state[0] == 5
+    assert_close("decode", torch.cat([y, y2], 1), x.cumsum(1))
+    assert decode(Running(), x[:, :0])[0].shape == (3, 0, 2)
+
+
+def test_perturb_parameters_moves_every_parameter():
+    from aftlab.testing import perturb_parameters
+
+    m = torch.nn.Linear(3, 2)
+    before = [p.detach().clone() for p in m.parameters()]
+    assert perturb_parameters(m) is m
+    assert all((p != b).all() for p, b in zip(m.parameters(), before, strict=True))

@@ -7,18 +7,20 @@ opaque error from deep inside torch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import difflib
+from collections.abc import Iterable, Sequence
 
 import torch
 
 __all__ = [
     "DTypeError",
     "check_tensor",
-    "check_same_shape",
     "check_compatible",
     "check_padding_mask",
     "check_positive_int",
     "check_choice",
+    "check_qkv",
+    "did_you_mean",
 ]
 
 
@@ -93,17 +95,6 @@ def check_tensor(
     return value
 
 
-def check_same_shape(
-    where: str, name: str, value: torch.Tensor, ref_name: str, ref: torch.Tensor
-) -> None:
-    """Raise ``ValueError`` unless ``value.shape == ref.shape``."""
-    if value.shape != ref.shape:
-        raise ValueError(
-            f"{where}: '{name}' must have the same shape as '{ref_name}' {_fmt(ref.shape)}, "
-            f"got {_fmt(value.shape)}"
-        )
-
-
 def check_compatible(where: str, named: dict[str, torch.Tensor]) -> None:
     """Raise unless all tensors share one dtype and one device (names both offenders)."""
     items = list(named.items())
@@ -159,3 +150,31 @@ def check_choice(where: str, name: str, value: object, choices: Sequence[str]) -
     if value not in choices:
         raise ValueError(f"{where}: '{name}' must be one of {sorted(choices)}, got {value!r}")
     return value  # type: ignore[return-value]
+
+
+def did_you_mean(name: object, candidates: Iterable[str]) -> str:
+    """The hint for an unknown ``name``: ``"did you mean 'a' or 'b'? "``, or ``""``.
+
+    Up to three ``candidates`` close to ``name`` (``difflib``'s ratio >= 0.6). The hint ends
+    with a space so that the list of known names can follow it::
+
+        f"unknown task {name!r}; {did_you_mean(name, tasks)}known tasks: {', '.join(tasks)}"
+    """
+    near = difflib.get_close_matches(str(name), list(candidates), n=3)
+    return f"did you mean {' or '.join(map(repr, near))}? " if near else ""
+
+
+def check_qkv(where: str, q: object, k: object, v: object, padding_mask: object = None) -> None:
+    """Check the AFT inputs ``q, k, v``: floating ``(B, T, d)`` tensors of one shape, dtype and
+    device, and the optional bool ``padding_mask (B, T)`` (:func:`check_padding_mask`)."""
+    check_tensor(where, "q", q, ndim=3, floating=True)
+    check_tensor(where, "k", k, ndim=3, floating=True)
+    check_tensor(where, "v", v, ndim=3, floating=True)
+    for name, x in (("k", k), ("v", v)):
+        if x.shape != q.shape:
+            raise ValueError(
+                f"{where}: '{name}' must have shape {tuple(q.shape)} like 'q', got {tuple(x.shape)}"
+            )
+    check_compatible(where, {"q": q, "k": k, "v": v})
+    if padding_mask is not None:
+        check_padding_mask(where, padding_mask, tuple(q.shape[:2]), "q", q)

@@ -1,10 +1,22 @@
-"""Comparison helpers for tests and benchmarks: every failure names the tensor."""
+"""Helpers for tests and benchmarks: comparisons whose failures name the tensor, and mixer drivers.
+
+Example:
+    >>> import torch
+    >>> from aftlab.mixers import build_mixer
+    >>> m = perturb_parameters(build_mixer("aft-simple", d_model=8, causal=True))
+    >>> x = torch.randn(2, 5, 8)
+    >>> y, state = decode(m, x)  # five calls of m.step
+    >>> assert_close("decode vs forward", y, m(x))
+"""
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
-__all__ = ["assert_close", "default_tolerance", "max_error"]
+import torch
+from torch import nn
+
+__all__ = ["assert_close", "default_tolerance", "max_error", "decode", "perturb_parameters"]
 
 _TOL = {
     torch.float64: (1e-10, 1e-8),
@@ -64,3 +76,32 @@ def assert_close(
             f"(atol={atol:g}, rtol={rtol:g}); max abs error {err.max().item():.3e}; "
             f"worst at {idx}: got {a[idx].item():.10g}, expected {e[idx].item():.10g}"
         )
+
+
+def decode(mixer: nn.Module, x: torch.Tensor, state: Any = None) -> tuple[torch.Tensor, Any]:
+    """Feed ``x: (B, T, d)`` to a causal mixer's ``step`` one token at a time.
+
+    Starts from ``state``, or from ``mixer.init_state(B)`` when it is None, and returns
+    ``(y, state)``: the stacked outputs ``y: (B, T, d)`` (``y[:, t]`` is ``step``'s output for
+    ``x[:, t]``) and the state after the ``T`` tokens, from which decoding continues.
+    """
+    if state is None:
+        state = mixer.init_state(x.shape[0])
+    ys = []
+    for t in range(x.shape[1]):
+        y_t, state = mixer.step(x[:, t], state)
+        ys.append(y_t)
+    return (torch.stack(ys, 1) if ys else x.new_zeros(x.shape)), state
+
+
+@torch.no_grad()
+def perturb_parameters(module: nn.Module, scale: float = 0.3) -> nn.Module:
+    """Add ``N(0, scale^2)`` noise to every parameter of ``module`` in place; returns ``module``.
+
+    Mixers start with parameters at 0 (AFT position biases ``V``, AFT-conv's ``gamma`` and
+    ``beta``), under which whole paths, and the gradients of the factors beside them, vanish; a
+    test that perturbs them first sees every path.
+    """
+    for p in module.parameters():
+        p.add_(scale * torch.randn_like(p))
+    return module

@@ -1,6 +1,7 @@
 """The ``aftlab`` command line: help, train/eval/sample, one-line errors for bad input."""
 
 import json
+import re
 import sys
 
 import pytest
@@ -25,6 +26,21 @@ def test_every_subcommand_has_help(cmd, capsys):
         main([cmd, "--help"])
     assert e.value.code == 0
     assert f"usage: aftlab {cmd}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("cmd, mixer_option", [("train", "--mixer"), ("compare", "--mixers")])
+def test_help_lists_every_registered_mixer_and_task(cmd, mixer_option, capsys, monkeypatch):
+    from aftlab.data import available_tasks
+    from aftlab.mixers import available_mixers
+
+    monkeypatch.setenv("COLUMNS", "1000")  # no line wrapping (it breaks names at hyphens)
+    with pytest.raises(SystemExit):
+        main([cmd, "--help"])
+    lines = capsys.readouterr().out.splitlines()
+    for option, names in (("--task", available_tasks()), (mixer_option, available_mixers())):
+        line = next(x for x in lines if x.strip().startswith(option + " "))
+        missing = [n for n in names if n not in re.findall(r"[\w-]+", line)]
+        assert not missing, (option, missing, line)
 
 
 def test_python_dash_m_aftlab_runs_the_same_cli(tmp_path):

@@ -18,11 +18,18 @@ from aftlab.models import TransformerConfig, TransformerLM  # noqa: E402
 from ..train.helpers import TINY, write_text  # noqa: E402
 
 V = 31
-# every mixer with a decoding state (init_state/step): the causal ones
+# every mixer with a decoding state (the _init_state/_step hooks): the causal ones
 CAUSAL = [
-    m for m in available_mixers() if get_mixer_class(m).init_state is not SequenceMixer.init_state
+    m for m in available_mixers() if get_mixer_class(m)._init_state is not SequenceMixer._init_state
 ]
 OPTIONS = {"aft-local": {"window": 3}, "aft-conv": {"kernel_size": 3}}  # smaller than T
+
+
+def test_every_decoding_mixer_is_tested():
+    # the parametrisations below must not go empty (and silently skip) if the hooks move again
+    assert {"attention", "aft-full", "aft-local", "aft-simple", "aft-conv", "aft-decay"} <= set(
+        CAUSAL
+    )
 
 
 def _model(mixer: str = "attention", **kw) -> AftlabForCausalLM:

@@ -1,5 +1,9 @@
 """The aft-conv mixer: registry, reparameterised kernel, forward == functional op, decoding ==
-forward (also with huge keys), padding, grid (2-D) mode, bad options."""
+forward for every kernel size with huge keys, grid (2-D) mode, bad options.
+
+What every mixer promises (decoding, padding, causality, autocast, dtypes, constant-size state,
+errors) is in test_contract.py.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import torch
 from aftlab.functional import aft_conv, aft_conv2d
 from aftlab.mixers import build_mixer
 from aftlab.mixers.aft.conv import AFTConvMixer
-from aftlab.testing import assert_close
+from aftlab.testing import assert_close, decode
 
 F64 = torch.float64
 
@@ -67,36 +71,10 @@ def test_step_by_step_equals_forward(kernel_size, key_scale):
     x = torch.randn(2, 11, 12, dtype=F64)
     x[:, -1] *= 3  # a large key last
     y = m(x)
-    state = m.init_state(2, dtype=F64)
-    steps = []
-    for t in range(11):
-        y_t, state = m.step(x[:, t], state)
-        steps.append(y_t)
+    steps, state = decode(m, x)
     assert state.pos == 11
     assert torch.isfinite(y).all()
-    assert_close("steps", torch.stack(steps, 1), y)
-
-
-def test_step_float32_matches_forward():
-    m = build_mixer("aft-conv", d_model=8, n_heads=2, causal=True, kernel_size=3)
-    x = torch.randn(1, 7, 8)
-    state = m.init_state(1)
-    steps = [m.step(x[:, t], state)[0] for t in range(7)]
-    assert_close("steps", torch.stack(steps, 1), m(x))
-
-
-@pytest.mark.parametrize("causal", [False, True])
-def test_padding_mask(causal):
-    m = _mixer(causal=causal)
-    x = torch.randn(2, 8, 12, dtype=F64)
-    mask = torch.ones(2, 8, dtype=torch.bool)
-    mask[0, 5:] = False
-    mask[1] = False  # nothing valid: zeros (as attention gives), never NaN
-    y = m(x, padding_mask=mask)
-    x2 = x.clone()
-    x2[~mask] = 100.0
-    assert_close("y[valid]", m(x2, padding_mask=mask)[0, :5], y[0, :5])
-    assert_close("y[no key]", y[1], torch.zeros(8, 12, dtype=F64))
+    assert_close("steps", steps, y)
 
 
 def test_grid_mode_uses_2d_op_and_trains():
@@ -112,15 +90,6 @@ def test_grid_mode_uses_2d_op_and_trains():
     assert m.weight.grad.abs().sum() > 0 and m.gamma.grad.abs().sum() > 0
 
 
-def test_autocast_bfloat16_forward_backward():
-    m = build_mixer("aft-conv", d_model=16, n_heads=4, causal=True, kernel_size=5)
-    x = torch.randn(2, 10, 16)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = m(x)
-    y.float().sum().backward()
-    assert torch.isfinite(y).all() and all(torch.isfinite(p.grad).all() for p in m.parameters())
-
-
 def test_bad_options():
     with pytest.raises(ValueError, match="n_heads=5 must divide d_model=12"):
         build_mixer("aft-conv", d_model=12, n_heads=5)
@@ -134,7 +103,3 @@ def test_bad_options():
     m = build_mixer("aft-conv", d_model=12, n_heads=3, grid=(2, 3), kernel_size=3)
     with pytest.raises(ValueError, match=r"sequence length 7 .* must equal H \* W = 6"):
         m(torch.randn(1, 7, 12))
-    with pytest.raises(RuntimeError, match="causal"):
-        m.init_state(1)
-    with pytest.raises(ValueError, match=r"'x' must have shape \(\*, \*, 12\)"):
-        build_mixer("aft-conv", d_model=12, n_heads=3)(torch.randn(1, 5, 10))

@@ -1,4 +1,8 @@
-"""The aft-decay mixer: registry, parameterisation, padding, decoding state, low precision."""
+"""The aft-decay mixer: forward == the reference, its RWKV initialisation, huge bonuses.
+
+What every mixer promises (decoding, padding, causality, autocast, dtypes, constant-size state,
+errors; causal only) is in test_contract.py.
+"""
 
 import pytest
 import torch
@@ -6,7 +10,7 @@ import torch
 from aftlab.mixers import build_mixer
 from aftlab.mixers.aft.decay import AFTDecay
 from aftlab.ops.aft_decay import aft_decay_reference
-from aftlab.testing import assert_close
+from aftlab.testing import assert_close, decode
 
 
 def _mixer(d=6, **kw):
@@ -22,11 +26,6 @@ def test_forward_is_projected_aft_decay():
     q, k, v = m.to_q(x), m.to_k(x), m.to_v(x)
     expected = m.proj(aft_decay_reference(q, k, v, torch.exp(m.time_decay), m.time_bonus))
     assert_close("mixer", m(x), expected)
-
-
-def test_causal_only():
-    with pytest.raises(ValueError, match="'causal'"):
-        build_mixer("aft-decay", d_model=4, causal=False)
 
 
 def test_rwkv_initialisation():
@@ -46,61 +45,17 @@ def test_rwkv_initialisation():
         _mixer(d, layer_idx=4, n_layers=4)
 
 
-def test_decay_and_bonus_train():
-    m = _mixer()
-    m(torch.randn(2, 10, 6)).pow(2).sum().backward()
-    assert m.time_decay.grad.abs().sum() > 0 and m.time_bonus.grad.abs().sum() > 0
-
-
-def test_padding_mask():
-    m = _mixer()
-    x = torch.randn(3, 9, 6, requires_grad=True)
-    mask = torch.rand(3, 9) > 0.3
-    mask[2] = False
-    y = m(x, padding_mask=mask)
-    x2 = torch.where(mask[:, :, None], x.detach(), torch.full_like(x.detach(), 1e3))
-    y2 = m(x2, padding_mask=mask)
-    assert_close("valid rows", y2[mask], y[mask].detach())
-    assert_close("row without keys", y[2], torch.zeros(9, 6))
-    y.sum().backward()
-    assert torch.isfinite(x.grad).all() and torch.isfinite(m.time_decay.grad).all()
-
-
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("kscale", [1.0, 1e3])
-def test_step_matches_forward(dtype, kscale):
+def test_step_matches_forward_with_huge_keys_and_bonus(dtype):
     m = _mixer(5).to(dtype).eval()
     with torch.no_grad():
-        m.to_k.weight.mul_(kscale)  # keys of magnitude ~1e3: exp overflows without the shift
-        m.time_bonus.mul_(kscale)
+        m.to_k.weight.mul_(1e3)  # keys of magnitude ~1e3: exp overflows without the shift
+        m.time_bonus.mul_(1e3)
     x = torch.randn(2, 13, 5, dtype=dtype)
-    y = m(x)
-    state = m.init_state(2)
-    steps = []
-    for t in range(13):
-        y_t, state = m.step(x[:, t], state)
-        steps.append(y_t)
-    assert state.position == 13
-    got = torch.stack(steps, 1)
-    assert torch.isfinite(got).all()
-    tol = {} if dtype == torch.float64 else {"atol": 1e-4 * kscale, "rtol": 1e-3}
-    assert_close("step vs forward", got, y, **tol)
-
-
-def test_autocast_bfloat16():
-    m = _mixer(8)
-    x = torch.randn(2, 20, 8) * 10
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.no_grad():
         y = m(x)
-    assert torch.isfinite(y).all()
-    assert_close("bf16 vs fp32", y.float(), m(x).detach(), atol=0.1, rtol=0.05)
-    y.float().sum().backward()
-    assert all(torch.isfinite(p.grad).all() for p in m.parameters())
-
-
-def test_bad_input():
-    m = _mixer()
-    with pytest.raises(ValueError, match="'x'"):
-        m(torch.randn(2, 5, 7))
-    with pytest.raises(ValueError, match="'x'"):
-        m.step(torch.randn(2, 5, 6), m.init_state(2))
+        steps, state = decode(m, x)
+    assert state.position == 13
+    assert torch.isfinite(steps).all()
+    tol = {} if dtype == torch.float64 else {"atol": 1e-1, "rtol": 1e-3}
+    assert_close("step vs forward", steps, y, **tol)

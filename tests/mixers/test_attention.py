@@ -1,4 +1,10 @@
-"""Multi-head attention: SDPA fast path == einsum reference == per-position loop; decoding."""
+"""Multi-head attention: SDPA fast path == einsum reference == per-position loop; decoding
+through the growing key-value cache; rotary positions; low precision against the reference; a
+NaN or inf reaches only the outputs that see it.
+
+What every mixer promises (decoding, padding, causality, autocast, dtypes, dropout, errors) is
+in test_contract.py.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ from aftlab.mixers.attention import (
     apply_rotary,
     rotary_angles,
 )
-from aftlab.testing import assert_close
+from aftlab.testing import assert_close, decode
 
 D = 12
 VARIANTS = {
@@ -118,30 +124,45 @@ def test_naive_matches_per_position_loop(causal, scaled):
     assert_close("y", m(x), _loop_attention(m, x, None))
 
 
-def test_query_without_keys_is_zero_with_finite_grads():
-    m = build_mixer("attention", d_model=D, n_heads=3, causal=True).double()
-    x = torch.randn(2, 5, D, dtype=torch.float64, requires_grad=True)
-    mask = torch.tensor([[False, False, True, True, True], [False] * 5])
-    y = m(x, padding_mask=mask)
-    assert torch.equal(y[0, :2], torch.zeros(2, D, dtype=torch.float64))
-    assert torch.equal(y[1], torch.zeros(5, D, dtype=torch.float64))
-    assert y[0, 2:].abs().sum() > 0
-    y.sum().backward()
-    assert torch.isfinite(x.grad).all()
-    assert torch.equal(x.grad[1], torch.zeros(5, D, dtype=torch.float64))
-
-
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("name", ["attention", "attention-naive"])
-def test_padded_keys_are_ignored(name):
-    m = build_mixer(name, d_model=D, n_heads=3).double()
-    x = torch.randn(2, 7, D, dtype=torch.float64)
-    mask = torch.ones(2, 7, dtype=torch.bool)
-    mask[:, 5:] = False
-    x2 = x.clone()
-    x2[:, 5:] = torch.randn(2, 2, D, dtype=torch.float64) * 100
-    y, y2 = m(x, padding_mask=mask), m(x2, padding_mask=mask)
-    assert_close("y at real tokens", y2[:, :5], y[:, :5])
-    assert_close("y == unpadded", y[:, :5], m(x[:, :5]))
+def test_nonfinite_input_reaches_only_the_outputs_that_see_it(name, causal, bad, padded):
+    """NaN exactly where the per-position formula gives a non-finite output; every other output
+    and the gradient through it as without the bad token (zeroing it changes nothing there)."""
+    m = build_mixer(name, d_model=D, n_heads=3, head_dim=5, causal=causal).double()
+    B, T, p = 3, 9, 4
+    x = torch.randn(B, T, D, dtype=torch.float64)
+    mask = _mask(B, T) if padded else None
+    if padded:
+        mask[2, p] = False  # row 1: x[1, p] is a real token; row 2: a padded one
+    real = torch.ones(B, T, dtype=torch.bool) if mask is None else mask
+    clean = x.clone()
+    clean[:, p] = 0.0
+    x[:, p] = bad
+    expected_nan = ~torch.isfinite(_loop_attention(m, x, mask)) & real[..., None]
+    seeing = slice(p, T) if causal else slice(0, T)  # row 1: the real queries that see x[1, p]
+    assert expected_nan[1, seeing][real[1, seeing]].all()
+    assert not expected_nan[:, :p].any() or not causal
+    assert not expected_nan[2].any() or not padded
+
+    def run(inp):
+        inp = inp.clone().requires_grad_()
+        y = m(inp, padding_mask=mask)
+        seen = y.masked_fill(expected_nan | ~real[..., None], 0.0)  # the outputs that stay finite
+        return y, torch.autograd.grad(seen.square().sum(), inp)[0]
+
+    (y, grad), (y_clean, grad_clean) = run(x), run(clean)
+    assert torch.equal(y.isnan() & real[..., None], expected_nan)
+    assert torch.equal(y[~expected_nan & real[..., None]], y_clean[~expected_nan & real[..., None]])
+    assert_close("dL/dx through the finite outputs", grad, grad_clean)
+    if causal and not padded:  # the prefill is the forward; its cache keeps the bad token
+        with torch.no_grad():
+            y_pre, state = m.prefill(x)
+            y_next, _ = m.step(torch.randn(B, D, dtype=torch.float64), state)
+        torch.testing.assert_close(y_pre, y.detach(), equal_nan=True, atol=0, rtol=0)
+        assert y_next.isnan().all()
 
 
 @pytest.mark.parametrize("name", ["attention", "attention-naive"])
@@ -152,24 +173,10 @@ def test_step_matches_forward(name, opts):
     x = torch.randn(2, T, D, dtype=torch.float64)
     state = m.init_state(2)
     assert isinstance(state, KVCache) and state.length == 0
-    ys = []
-    for t in range(T):
-        y, state = m.step(x[:, t], state)
-        ys.append(y)
-    assert state.length == T
-    assert_close("step outputs", torch.stack(ys, dim=1), m(x))
-
-
-def test_init_state_defaults_to_parameter_dtype():
-    m = build_mixer("attention", d_model=D, n_heads=3, causal=True).double()
-    s = m.init_state(4)
-    assert s.k.dtype == torch.float64 and s.k.shape[:2] == (4, 3) and s.k.shape[3] == 4
-
-
-def test_noncausal_cannot_step():
-    m = build_mixer("attention", d_model=D, n_heads=3, causal=False)
-    with pytest.raises(RuntimeError, match="causal"):
-        m.init_state(1)
+    assert state.k.dtype == torch.float64 and state.k.shape == (2, m.n_heads, 16, m.head_dim)
+    ys, state = decode(m, x, state)
+    assert state.length == T and state.k.shape[2] == 64
+    assert_close("step outputs", ys, m(x))
 
 
 def test_rotary_is_relative():
@@ -191,16 +198,6 @@ def test_rotary_angles_formula():
     theta = [3 * 100 ** (-0 / 4), 3 * 100 ** (-2 / 4)] * 2
     assert_close("cos", cos[0], torch.tensor([math.cos(t) for t in theta], dtype=torch.float64))
     assert_close("sin", sin[0], torch.tensor([math.sin(t) for t in theta], dtype=torch.float64))
-
-
-def test_output_dropout_in_training_only():
-    m = build_mixer("attention", d_model=D, n_heads=3, dropout=0.5)
-    x = torch.randn(2, 5, D)
-    m.train()
-    y = m(x)
-    assert (y == 0).float().mean() > 0.2
-    m.eval()
-    assert torch.equal(m(x), m(x)) and (m(x) != 0).all()
 
 
 def test_float32_sdpa_close_to_float64_reference():

@@ -1,7 +1,8 @@
-"""The mixer registry: lookup errors, duplicate and invalid registrations, option errors.
+"""The mixer registry: lookup errors, duplicate and invalid registrations, option errors, and a
+mixer added by its class alone.
 
-Throwaway mixers are registered under unique names and removed from
-``aftlab.mixers.registry._MIXERS`` afterwards, so no global state leaks into other tests.
+Throwaway mixers are registered under unique names and removed with ``unregister_mixer``
+afterwards, so no global state leaks into other tests.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import re
 
 import pytest
 import torch
+from torch import nn
 
 from aftlab.mixers import (
     SequenceMixer,
@@ -18,17 +20,19 @@ from aftlab.mixers import (
     build_mixer,
     get_mixer_class,
     register_mixer,
+    unregister_mixer,
 )
-from aftlab.mixers import registry as registry_module
+from aftlab.models import TransformerConfig, TransformerLM
 
 
 @contextlib.contextmanager
 def _temporary_name(name: str):
-    assert name not in registry_module._MIXERS
+    assert name not in available_mixers()
     try:
         yield name
     finally:
-        registry_module._MIXERS.pop(name, None)
+        if name in available_mixers():
+            unregister_mixer(name)
 
 
 def _identity_class():
@@ -128,3 +132,97 @@ def test_mixers_with_a_position_table_refuse_longer_inputs(name):
         ValueError, match=r"sequence length 9 of 'x' exceeds max_seq_len \(T_max\) = 4"
     ):
         m(torch.randn(1, 9, 8))
+
+
+def test_unregister_mixer():
+    with _temporary_name("zz-test-unregister") as name:
+        cls = register_mixer(name)(_identity_class())
+        assert unregister_mixer(name) is cls
+        assert name not in available_mixers()
+        with pytest.raises(ValueError, match=re.escape(f"unknown mixer {name!r}")):
+            unregister_mixer(name)
+
+
+class _ToyRunningMean(SequenceMixer):
+    """A toy mixer written as a user would: ``y_t = W (g / t) sum_{t' <= t} x_t'`` (causal), or
+    the mean over all real tokens (non-causal). Only the class: the hooks and one option."""
+
+    def __init__(self, *, gain: float = 1.0, **common) -> None:
+        super().__init__(**common)
+        self.gain = gain
+        self.proj = nn.Linear(self.d_model, self.d_model, bias=self.bias)
+
+    def _forward(self, x, padding_mask, return_state):
+        m = x.new_ones(x.shape[:2]) if padding_mask is None else padding_mask.to(x.dtype)
+        num, den = (x * m[..., None]), m[..., None]
+        if self.causal:
+            num, den = num.cumsum(1), den.cumsum(1)
+        else:
+            num, den = num.sum(1, keepdim=True), den.sum(1, keepdim=True)
+        return self.proj(self.gain * num / den.clamp(min=1)).expand_as(x)
+
+    def _init_state(self, batch_size, device, dtype):
+        return {"sum": torch.zeros(batch_size, self.d_model, device=device, dtype=dtype), "n": 0}
+
+    def _step(self, x, state):
+        state = {"sum": state["sum"] + x, "n": state["n"] + 1}
+        return self.proj(self.gain * state["sum"] / state["n"]), state
+
+
+@pytest.fixture
+def toy():
+    with _temporary_name("toy") as name:
+        register_mixer(name)(_ToyRunningMean)
+        yield name
+
+
+def test_a_mixer_class_is_all_a_model_needs(toy):
+    """Registered by its class alone, the toy mixer trains and generates in a TransformerLM."""
+    torch.manual_seed(0)
+    config = TransformerConfig(
+        vocab_size=11,
+        d_model=16,
+        n_layers=2,
+        n_heads=2,
+        max_seq_len=12,
+        mixer=toy,
+        mixer_options={"gain": 0.5},
+    )
+    model = TransformerLM(config)
+    mixers = [block.mixer for block in model.backbone.blocks]
+    assert all(isinstance(m, _ToyRunningMean) for m in mixers)
+    assert [(m.gain, m.d_model, m.n_heads, m.causal) for m in mixers] == [(0.5, 16, 2, True)] * 2
+
+    data = (torch.randint(0, 11, (8, 1)) + torch.arange(10)) % 11  # x_{t+1} = x_t + 1 mod 11
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(8):
+        logits = model(data[:, :-1])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, 11), data[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        for m in mixers:
+            assert m.proj.weight.grad is not None and m.proj.weight.grad.abs().sum() > 0
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+    model.eval()
+    prompt = data[:2, :3]
+    out = model.generate(prompt, 5, temperature=0)  # prefill by steps, then the step hook
+    assert out.shape == (2, 8) and torch.equal(out[:, :3], prompt)
+    greedy = model(out[:, :-1]).argmax(-1)[:, 2:]  # the forward hook's choice at each step
+    assert torch.equal(out[:, 3:], greedy)
+
+
+def test_base_init_state_defaults_and_guards(toy):
+    mixer = build_mixer(toy, d_model=8, causal=True).double()
+    state = mixer.init_state(3)
+    assert (state["sum"].shape, state["sum"].dtype) == ((3, 8), torch.float64)
+    assert mixer.init_state(1, dtype=torch.float32)["sum"].dtype == torch.float32
+    with pytest.raises(ValueError, match="'batch_size' must be > 0, got 0"):
+        mixer.init_state(0)
+    with pytest.raises(RuntimeError, match="init_state\\(\\) needs a causal mixer"):
+        build_mixer(toy, d_model=8).init_state(2)
+    with pytest.raises(RuntimeError, match="step\\(\\) needs a causal mixer"):
+        build_mixer(toy, d_model=8).step(torch.zeros(2, 8), None)

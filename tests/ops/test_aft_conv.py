@@ -134,7 +134,7 @@ def test_equals_general_bias_with_toeplitz_kernel(causal):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_equals_per_head_aft_local_with_toeplitz_bias(causal):
-    """The issue's relation: aft_conv == per-head aft_local(w = Toeplitz bias of the kernel)."""
+    """aft_conv == per-head aft_local(w = Toeplitz bias of the kernel)."""
     from aftlab.ops.aft_local import aft_local
 
     B, T, h, c, s = 2, 9, 3, 2, 5

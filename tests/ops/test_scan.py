@@ -247,3 +247,26 @@ def test_values_near_float32_max_of_opposite_signs(reverse):
     assert torch.isfinite(A).all()
     _, A0 = stable_prefix_average_reference(k.double(), v.double(), reverse=reverse)
     assert_close("A", A, A0, atol=3e33, rtol=1e-5)
+
+
+def test_compile_fullgraph_equals_eager():
+    """No host sync and no graph break: the decay's value check is skipped while tracing, and
+    the scan writes no ``out=`` into strided slices (which torch.compile cannot trace)."""
+    k, v = _inputs(2, 21, 3)
+    decay = torch.rand(3, dtype=F64, requires_grad=True)
+    mask = torch.ones(2, 21, dtype=torch.bool)
+    mask[1, 15:] = False
+
+    def fn(k, v, decay):
+        L, A = stable_prefix_average(k, v, decay=decay, padding_mask=mask)
+        return _finite(L), A
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    got, want = compiled(k, v, decay), fn(k, v, decay)
+    gs = [torch.randn_like(x) for x in want]
+    losses = [sum((x * g).sum() for x, g in zip(out, gs, strict=True)) for out in (got, want)]
+    grads = [torch.autograd.grad(loss, (k, v, decay)) for loss in losses]
+    for name, a, b in zip(("L", "A", "dk", "dv", "ddecay"), got + grads[0], want + grads[1],
+                          strict=True):
+        assert_close(name, a, b)

@@ -64,7 +64,7 @@ def fake(monkeypatch):
 
 def _base(**kw) -> TrainConfig:
     model = {"d_model": 16, "n_layers": 2, "n_heads": 2}
-    return TrainConfig(seq_len=16, steps=3, device="cpu", model=model, **kw)
+    return TrainConfig.from_dict({"seq_len": 16, "steps": 3, "device": "cpu", "model": model, **kw})
 
 
 def _rows(out):
@@ -141,7 +141,7 @@ def test_equal_params_lands_within_half_a_d_ff_unit(tmp_path):
     base = _base(data=str(write_text(tmp_path / "d.txt", 4_000)))
     task = compare.build_task(base)
     target = compare.count_parameters(base.replace(mixer="attention"), task)
-    d, n = base.model["d_model"], base.model["n_layers"]
+    d, n = base.model.d_model, base.model.n_layers
     tol = n * (2 * d + 1) / 2  # one d_ff unit: a row of W_1, a column of W_2, a bias of b_1
     far = 0
     for mixer in compare.DEFAULT_MIXERS:
@@ -162,8 +162,8 @@ def test_equal_params_reaches_the_runs(fake, tmp_path):
     out = tmp_path / "cmp"
     table = compare.run_compare(_base(), ["attention", "aft-full"], out, equal_params=True)
     rows = _rows(out)
-    assert calls[0].model.get("d_ff", 64) == 64 and calls[1].model["d_ff"] < 64
-    assert rows["aft-full"]["d_ff"] == calls[1].model["d_ff"]
+    assert calls[0].model.d_ff == 64 and calls[1].model.d_ff < 64
+    assert rows["aft-full"]["d_ff"] == calls[1].model.d_ff
     assert abs(rows["aft-full"]["parameters"] - rows["attention"]["parameters"]) <= 2 * (32 + 1) / 2
     assert "| d_ff |" in table
 

@@ -70,14 +70,16 @@ def test_trainer_builds_the_kernels_before_any_timed_step(tmp_path, monkeypatch,
     """On CPU an AFT run compiles the kernels in its setup, so no step's tokens/s includes it."""
     events = []
     monkeypatch.setattr("aftlab.kernels.status", lambda: events.append("build"))
-    cfg = TrainConfig(
-        data=str(write_text(tmp_path / "d.txt")),
-        seq_len=16,
-        steps=1,
-        device="cpu",
-        mixer=mixer,
-        sample_tokens=0,
-        model={"d_model": 16, "n_layers": 1, "n_heads": 2},
+    cfg = TrainConfig.from_dict(
+        {
+            "data": str(write_text(tmp_path / "d.txt")),
+            "seq_len": 16,
+            "steps": 1,
+            "device": "cpu",
+            "mixer": mixer,
+            "sample_tokens": 0,
+            "model": {"d_model": 16, "n_layers": 1, "n_heads": 2},
+        }
     )
     Trainer(cfg, run_dir=tmp_path / "run").fit()
     assert events == (["build"] if builds else []), events

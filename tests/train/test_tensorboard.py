@@ -15,7 +15,7 @@ from .test_trainer import _config
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
-#: What the issue asks TensorBoard to show: loss, validation, learning rate, tokens/s, memory.
+#: What TensorBoard must show: loss, validation, learning rate, tokens/s, memory.
 REQUIRED = {
     "train/loss",
     "train/lr",

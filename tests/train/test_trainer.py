@@ -1,5 +1,6 @@
 """The training loop: resume after SIGKILL, Ctrl-C, accumulation and multi-process equivalence."""
 
+import dataclasses
 import json
 import random
 import signal
@@ -252,3 +253,56 @@ def test_pixel_task_is_scored_like_the_models_own_bits_per_dim():
     expected = model.bits_per_dim(pixels).mean().item()
     assert res["bits/dim"] == pytest.approx(expected, rel=1e-5)
     assert res["targets"] == pixels.numel()
+
+
+def test_every_model_says_what_its_forward_reads_from_a_batch():
+    """``forward_batch`` has no per-model branch: each model's ``batch_input`` names its inputs."""
+    from torch import nn
+
+    from aftlab.models import (
+        PixelTransformer,
+        TransformerClassifier,
+        TransformerConfig,
+        TransformerLM,
+    )
+    from aftlab.train.trainer import forward_batch
+
+    class Spy(nn.Module):  # stands for the torch.compile / DDP wrapper the trainer calls
+        def __init__(self, model):
+            super().__init__()
+            self.model, self.calls = model, 0
+
+        def forward(self, *args, **kwargs):
+            self.calls += 1
+            return self.model(*args, **kwargs)
+
+    torch.manual_seed(0)
+    cfg = TransformerConfig(vocab_size=17, d_model=16, n_layers=1, n_heads=2, max_seq_len=16)
+    pixels = torch.randint(0, 17, (3, 16))
+    shifted = torch.cat([torch.zeros(3, 1, dtype=torch.long), pixels[:, :-1]], dim=1)
+    mask = torch.ones(3, 16, dtype=torch.bool)
+    mask[1, 11:] = False
+    pix = PixelTransformer(cfg, image_shape=(4, 4)).eval()
+    lm = TransformerLM(cfg).eval()
+    clf = TransformerClassifier(dataclasses.replace(cfg, causal=False), num_classes=5).eval()
+    cases = [  # (model, batch, what its forward must get)
+        (pix, {"input": shifted, "target": pixels}, lambda: pix(pixels)),
+        (lm, {"input": shifted, "target": pixels}, lambda: lm(shifted)),
+        (
+            lm,
+            {"input": shifted, "target": pixels, "padding_mask": mask},
+            lambda: lm(shifted, padding_mask=mask),
+        ),
+        (
+            clf,
+            {"input": pixels, "target": pixels[:, 0] % 5, "padding_mask": mask},
+            lambda: clf(pixels, padding_mask=mask),
+        ),
+    ]
+    with torch.no_grad():
+        for model, batch, expected in cases:
+            torch.testing.assert_close(forward_batch(model, batch), expected(), rtol=0, atol=0)
+            spy = Spy(model)
+            out = forward_batch(model, batch, wrapper=spy)
+            assert spy.calls == 1
+            torch.testing.assert_close(out, expected(), rtol=0, atol=0)

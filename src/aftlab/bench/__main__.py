@@ -1,5 +1,8 @@
-"""``python -m aftlab.bench ...``: the benchmark on its own (same options as ``aftlab bench``)."""
+"""``python -m aftlab.bench ...``: the same as ``aftlab bench ...``."""
 
-from aftlab.bench.cli import main
+import sys
 
-raise SystemExit(main())
+from aftlab.cli import main
+
+sys.argv[0] = "python -m aftlab.bench"
+raise SystemExit(main(["bench", *sys.argv[1:]]))

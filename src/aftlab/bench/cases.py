@@ -1,52 +1,28 @@
-"""The benchmark's case table: every mixer it measures, defined once.
-
-Each :class:`OpCase` says how to build the op-level inputs of one mixer, how to run the fast op
-and its float64 reference, which decoding mixer of the registry stands for it, and the cost
-models the report divides by the machine's limits:
-
-* ``flops(mode, s)``: floating-point operations the computation cannot avoid;
-* ``bytes(mode, s)``: bytes that must cross the memory bus at least once (each input read once,
-  each output written once; forward+backward is a forward pass followed by a backward pass);
-* ``mem_estimate(mode, s)``: a generous estimate of the peak memory above the inputs, used only
-  to skip cases that would not fit before running them.
-
-The shape ``s`` is a :class:`Shape` ``(B, T, d, h, esize)``: batch, length, width, heads and the
-element size in bytes. Modes: ``"forward"``, ``"train"`` (forward + backward) and
-``"decode"`` (one incremental step of the module at position ``T``).
-
-Op-level computations (``q, k, v`` are ``(B, T, d)`` unless stated; ``c = d / h``):
-
-* ``attention-sdpa``: ``scaled_dot_product_attention(q, k, v)`` with q, k, v ``(B, h, T, c)``;
-* ``attention-naive``: ``softmax(q k^T / sqrt(c) [+ causal mask]) v`` by einsum;
-* ``aft-full``: ``aft_full(q, k, v, w)``, w ``(T, T)``;
-* ``aft-local``: ``aft_local_band(q, k, v, w_band, 32)``, w_band ``(T, 2s - 1)`` (``(T, s)``
-  causal), the band form the mixer uses;
-* ``aft-simple``: ``aft_simple(q, k, v)``;
-* ``aft-conv``: ``aft_conv(q, k, v, w)``, q, v ``(B, T, h, c)``, k ``(B, T, h, 1)``, w ``(h, 31)``;
-* ``aft-decay``: ``aft_decay(q, k, v, decay, bonus)``, decay and bonus ``(d,)``, causal only;
-* ``aft-full-matmul`` (:data:`MATMUL_CASE`): the dense products aft-full needs.
-
-In ``train`` mode every floating input requires a gradient (activations and learned biases
-alike), so the backward pass computes all of them.
-"""
+"""What ``aftlab bench`` runs: a case per registered mixer (its op in :data:`OPS`, with the cost
+model of its floors), ``aft-full-matmul``, and the peers. See docs/benchmarks.md."""
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from importlib import import_module
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Shape", "OpCase", "CASES", "MATMUL_CASE", "default_cases", "MODES"]
+from ..mixers import available_mixers, build_mixer
+from ..ops import aft_conv, aft_decay, aft_full, aft_simple
+from ..ops.aft_conv import aft_conv_reference
+from ..ops.aft_decay import aft_decay_reference
+from ..ops.aft_full import aft_full_reference
+from ..ops.aft_local import aft_local_band, aft_local_reference
+from ..ops.aft_simple import aft_simple_reference
 
 MODES = ("forward", "train", "decode")
-
-AFT_LOCAL_WINDOW = 32
-AFT_CONV_KERNEL = 31
+WINDOW, KERNEL = 32, 31  # aft-local's window, aft-conv's kernel size
+Inputs = dict[str, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -59,464 +35,271 @@ class Shape:
     h: int
     esize: int = 4
 
-    @property
-    def c(self) -> int:
-        """Channels per head, ``d / h``."""
-        return self.d // self.h
-
-
-Inputs = dict[str, torch.Tensor]
+    c = property(lambda self: self.d // self.h, doc="Channels per head, ``d / h``.")
+    n = property(lambda self: self.B * self.T * self.d, doc="Elements of a ``(B, T, d)`` tensor.")
 
 
 @dataclass(frozen=True)
-class OpCase:
-    """One benchmarked mixer.
+class Op:
+    """How one mixer's op is benchmarked.
 
     Attributes:
-        name: name in the benchmark's tables (``"attention-sdpa"``, ``"aft-local"``, ...).
-        make_inputs: ``(shape, causal, dtype, device, generator) -> {name: tensor}``.
-        op: ``(inputs, causal) -> y``, the fast op under test.
-        reference: ``(inputs, causal) -> y`` in float64, or ``None`` if not available yet;
-            found lazily through ``reference_path`` when given.
-        flops: ``(mode, shape, causal) -> float``, the FLOP model.
-        bytes: ``(mode, shape, causal) -> float``, the memory-traffic model.
-        mem_estimate: ``(mode, shape, causal) -> float``, bytes of peak memory (upper estimate).
-        mixer: registry name of the module used for ``decode`` (``None``: no decode case).
-        mixer_options: extra keyword options for :func:`aftlab.mixers.build_mixer`.
-        causal_only: the op exists only in its causal form.
-        description: one line for the docs and the report.
+        inputs: ``(shape, causal) -> {name: (size, scale)}``, the op's arguments in order:
+            ``randn(size) * scale``, or ``U(0, 0.5)`` for ``scale="U"``.
+        fast, reference: ``(inputs, causal) -> y``: the op under test; float64, from the formula.
+        flops, io: a forward's FLOPs and elements ``(read, written)``.
+        step: a decoding step's ``(FLOPs, elements read)`` besides the projections; None: none.
+        mem: ``(forward, train)`` peak elements above the inputs, generous (to skip what won't fit).
+        options: the mixer's own options matching the inputs (aft-local's window).
+        causal_only: the op has no non-causal form.
     """
 
-    name: str
-    make_inputs: Callable[[Shape, bool, torch.dtype, torch.device, torch.Generator], Inputs]
-    op: Callable[[Inputs, bool], torch.Tensor]
-    reference: Callable[[Inputs, bool], torch.Tensor] | None
-    flops: Callable[[str, Shape, bool], float]
-    bytes: Callable[[str, Shape, bool], float]
-    mem_estimate: Callable[[str, Shape, bool], float]
-    mixer: str | None = None
-    mixer_options: dict[str, Any] = field(default_factory=dict)
+    inputs: Callable[[Shape, bool], dict[str, tuple]]
+    fast: Callable[[Inputs, bool], torch.Tensor]
+    reference: Callable[[Inputs, bool], torch.Tensor]
+    flops: Callable[[Shape, bool], float]
+    io: Callable[[Shape, bool], tuple[float, float]]
+    step: Callable[[Shape], tuple[float, float]] | None
+    mem: Callable[[Shape, bool], tuple[float, float]]
+    options: dict[str, Any] = field(default_factory=dict)
     causal_only: bool = False
-    description: str = ""
+
+    def make(self, s: Shape, causal: bool, dtype, device, gen: torch.Generator) -> Inputs:
+        """The inputs at shape ``s``: drawn in float64 from ``gen``, then cast."""
+        out = {}
+        for name, (size, scale) in self.inputs(s, causal).items():
+            u = scale == "U"
+            x = (torch.rand if u else torch.randn)(size, generator=gen, dtype=torch.float64)
+            out[name] = (x * (0.5 if u else scale)).to(dtype=dtype, device=device)
+        return out
+
+    def floors(self, mode: str, s: Shape, causal: bool, limits: dict) -> dict:
+        """The FLOPs and bytes one call in ``mode`` cannot avoid, the floors they imply
+        ``max(bytes / bandwidth, FLOPs / GEMM rate)`` and the estimated peak bytes."""
+        if mode == "decode":  # besides the four d x d projections of B tokens
+            f, r = self.step(s)
+            f, nbytes = f + 8.0 * s.B * s.d * s.d, (r + 4.0 * s.d * s.d) * s.esize
+        else:
+            f, (r, w) = self.flops(s, causal), self.io(s, causal)
+            if mode == "train":  # the backward: 2 products per product; inputs and dy read again,
+                f, r, w = 3 * f, 2 * r + w, r + w  # a gradient written per input
+            nbytes = (r + w) * s.esize
+        fb, ff = nbytes / limits["bandwidth_bytes_per_s"], f / limits["gemm_flops_per_s"]
+        return {
+            "flops": f,
+            "bytes": nbytes,
+            "floor_bandwidth_s": fb,
+            "floor_flops_s": ff,
+            "floor_s": max(fb, ff),
+            "floor_bound": "memory" if fb >= ff else "compute",
+            "est_peak_bytes": self.mem(s, causal)[mode == "train"] * s.esize + 2**26,
+        }
 
 
-# ----------------------------------------------------------------------------- helpers
-def _randn(shape, dtype, device, gen, scale=1.0) -> torch.Tensor:
-    return (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(
-        dtype=dtype, device=device
-    )
+def _band(s: Shape, causal: bool) -> int:
+    """Band width ``W`` of aft-local: ``2 s' - 1`` (``s'`` causal), ``s' = min(window, T)``."""
+    w = min(WINDOW, s.T)
+    return w if causal else 2 * w - 1
 
 
-def _lazy_op(module: str, attr: str) -> Callable[..., torch.Tensor]:
-    """Resolve ``module.attr`` at call time, so the table imports before the ops exist."""
-
-    def call(*args, **kwargs):
-        fn = getattr(importlib.import_module(module), attr, None)
-        if fn is None:
-            raise NotImplementedError(f"{module}.{attr} does not exist yet")
-        return fn(*args, **kwargs)
-
-    call.__qualname__ = f"{module}.{attr}"
-    return call
+def _quadratic(s: Shape, causal: bool) -> float:
+    """``q k^T`` and ``p v`` (or ``exp(w) @ [exp(k) v, exp(k)]``): ``4 B T^2 d``, half causal."""
+    return 4.0 * s.B * s.T * s.T * s.d * (0.5 if causal else 1.0)
 
 
-def _qkv_inputs(s: Shape, causal, dtype, device, gen) -> Inputs:
-    return {n: _randn((s.B, s.T, s.d), dtype, device, gen) for n in ("q", "k", "v")}
-
-
-def _io_bytes(n_in: float, n_out: float, mode: str, n_grad_in: float | None = None) -> float:
-    """Memory-traffic model in elements: forward reads the inputs and writes the outputs;
-    backward reads the inputs again plus ``dy`` and writes one gradient per input."""
-    fwd = n_in + n_out
-    if mode == "forward":
-        return fwd
-    g = n_in if n_grad_in is None else n_grad_in
-    return fwd + n_in + n_out + g
-
-
-# ----------------------------------------------------------------------------- attention
-def _attn_inputs(s: Shape, causal, dtype, device, gen) -> Inputs:
-    # (B, h, T, c): the layout scaled_dot_product_attention takes.
-    return {n: _randn((s.B, s.h, s.T, s.c), dtype, device, gen) for n in ("q", "k", "v")}
-
-
-def _sdpa(x: Inputs, causal: bool) -> torch.Tensor:
-    return F.scaled_dot_product_attention(x["q"], x["k"], x["v"], is_causal=causal)
+def _qkv(s: Shape, **extra) -> dict[str, tuple]:
+    return {n: ((s.B, s.T, s.d), 1.0) for n in "qkv"} | extra
 
 
 def _naive_attention(x: Inputs, causal: bool) -> torch.Tensor:
-    """``softmax(q k^T / sqrt(c) + M) v`` with ``M = -inf`` above the diagonal if causal."""
-    q, k, v = x["q"], x["k"], x["v"]
+    """``softmax(q k^T / sqrt(c) + M) v`` by einsum, ``M = -inf`` above the diagonal if causal."""
+    q, k, v = x.values()
     scores = torch.einsum("bhtc,bhsc->bhts", q, k) / math.sqrt(q.shape[-1])
     if causal:
-        T = q.shape[-2]
-        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+        mask = torch.ones(q.shape[-2], q.shape[-2], dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(mask, float("-inf"))
     return torch.einsum("bhts,bhsc->bhtc", scores.softmax(-1), v)
 
 
 def _attention_reference(x: Inputs, causal: bool) -> torch.Tensor:
-    """Float64 per-query loop: ``y_t = sum_s softmax_s(q_t . k_s / sqrt(c)) v_s``.
-
-    The sum runs over ``s <= t`` when causal.
-    """
-    q, k, v = (x[n].double() for n in ("q", "k", "v"))
-    T = q.shape[-2]
+    """Float64 per query: ``y_t = sum_{s (<= t if causal)} softmax_s(q_t . k_s / sqrt(c)) v_s``."""
+    q, k, v = (t.double() for t in x.values())
     rows = []
-    for t in range(T):
-        end = t + 1 if causal else T
-        p = (
-            torch.einsum("bhc,bhsc->bhs", q[:, :, t], k[:, :, :end]) / math.sqrt(q.shape[-1])
-        ).softmax(-1)
-        rows.append(torch.einsum("bhs,bhsc->bhc", p, v[:, :, :end]))
+    for t in range(q.shape[-2]):
+        end = t + 1 if causal else q.shape[-2]
+        logits = torch.einsum("bhc,bhsc->bhs", q[:, :, t], k[:, :, :end]) / math.sqrt(q.shape[-1])
+        rows.append(torch.einsum("bhs,bhsc->bhc", logits.softmax(-1), v[:, :, :end]))
     return torch.stack(rows, 2)
 
 
-def _attn_flops(mode: str, s: Shape, causal: bool) -> float:
-    # q k^T and p v: 2 * 2 * B * T^2 * d; backward needs 4 more products of the same size.
-    f = 4.0 * s.B * s.T * s.T * s.d * (0.5 if causal else 1.0)
-    if mode == "decode":
-        return (
-            4.0 * s.B * s.T * s.d + 8.0 * s.B * s.d * s.d
-        )  # one query against T keys + 4 projections
-    return f if mode == "forward" else 3.0 * f
-
-
-def _attn_bytes(mode: str, s: Shape, causal: bool) -> float:
-    n = s.B * s.T * s.d
-    if mode == "decode":  # read the K and V cache and the four d x d projections
-        return (2.0 * n + 4.0 * s.d * s.d) * s.esize
-    return _io_bytes(3 * n, n, mode) * s.esize
-
-
-def _sdpa_mem(mode: str, s: Shape, causal: bool) -> float:
-    n = s.B * s.T * s.d * s.esize
-    return (4 if mode == "forward" else 12) * n + 64 * 2**20
-
-
-def _naive_mem(mode: str, s: Shape, causal: bool) -> float:
-    scores = s.B * s.h * s.T * s.T * s.esize
-    n = s.B * s.T * s.d * s.esize
-    return (2 if mode == "forward" else 5) * scores + 6 * n + 64 * 2**20
-
-
-# ----------------------------------------------------------------------------- AFT
-def _w_inputs(s: Shape, causal, dtype, device, gen) -> Inputs:
-    x = _qkv_inputs(s, causal, dtype, device, gen)
-    x["w"] = _randn((s.T, s.T), dtype, device, gen, scale=0.5)
-    return x
-
-
-def _full_flops(mode: str, s: Shape, causal: bool) -> float:
-    # exp(w) @ [exp(k) v, exp(k)]: 2 * T^2 * 2Bd. Backward: exp(w)^T @ g and g @ x^T, twice that.
-    f = 4.0 * s.B * s.T * s.T * s.d * (0.5 if causal else 1.0)
-    if mode == "decode":
-        return 4.0 * s.B * s.T * s.d + 8.0 * s.B * s.d * s.d
-    return f if mode == "forward" else 3.0 * f
-
-
-def _full_bytes(mode: str, s: Shape, causal: bool) -> float:
-    n = s.B * s.T * s.d
-    ww = s.T * s.T * (0.5 if causal else 1.0)
-    if mode == "decode":  # the running exp(k) v and exp(k) of every past token, and a row of w
-        return (2.0 * n + s.T + 4.0 * s.d * s.d) * s.esize
-    return _io_bytes(3 * n + ww, n, mode) * s.esize
-
-
-def _full_mem(mode: str, s: Shape, causal: bool) -> float:
-    n = s.B * s.T * s.d * s.esize
-    ww = s.T * s.T * s.esize
-    return (3 * ww + 6 * n if mode == "forward" else 6 * ww + 16 * n) + 64 * 2**20
-
-
-def _band(s: Shape, causal: bool, window: int) -> int:
-    """Band width ``W`` of AFT-local: ``s' = min(window, T)``; ``2 s' - 1``, or ``s'`` causal."""
-    w = min(window, s.T)
-    return w if causal else 2 * w - 1
-
-
-def _local_flops(mode: str, s: Shape, causal: bool) -> float:
-    # global sums (O(Td)) plus the band correction (exp(w) - 1) over numerator and denominator
-    f = s.B * s.d * s.T * (4.0 * _band(s, causal, AFT_LOCAL_WINDOW) + 10.0)
-    if mode == "decode":
-        return 4.0 * s.B * s.d * _band(s, True, AFT_LOCAL_WINDOW) + 8.0 * s.B * s.d * s.d
-    return f if mode == "forward" else 3.0 * f
-
-
-def _local_bytes(mode: str, s: Shape, causal: bool) -> float:
-    n = s.B * s.T * s.d
-    wb = s.T * _band(s, causal, AFT_LOCAL_WINDOW)  # only the band of w is read
-    if mode == "decode":  # ring buffer of the last s tokens, running sums, projections
-        return (2.0 * s.B * s.d * AFT_LOCAL_WINDOW + 4.0 * s.d * s.d) * s.esize
-    return _io_bytes(3 * n + wb, n, mode) * s.esize
-
-
-def _local_mem(mode: str, s: Shape, causal: bool) -> float:
-    n = s.B * s.T * s.d * s.esize
-    band = s.B * s.T * s.d * _band(s, causal, AFT_LOCAL_WINDOW) * s.esize  # if it unfolds the band
-    return (band + 12 * n if mode == "forward" else 2 * band + 24 * n) + 64 * 2**20
-
-
-def _simple_flops(mode: str, s: Shape, causal: bool) -> float:
-    f = 10.0 * s.B * s.T * s.d  # exp, products, sums, sigmoid: a handful per element
-    if mode == "decode":
-        return 10.0 * s.B * s.d + 8.0 * s.B * s.d * s.d
-    return f if mode == "forward" else 3.0 * f
-
-
-def _simple_bytes(mode: str, s: Shape, causal: bool) -> float:
-    n = s.B * s.T * s.d
-    if mode == "decode":  # running sums and the projections
-        return (4.0 * s.B * s.d + 4.0 * s.d * s.d) * s.esize
-    return _io_bytes(3 * n, n, mode) * s.esize
-
-
-def _linear_mem(mode: str, s: Shape, causal: bool) -> float:
-    n = s.B * s.T * s.d * s.esize
-    return (8 if mode == "forward" else 24) * n + 64 * 2**20
-
-
-def _conv_inputs(s: Shape, causal, dtype, device, gen) -> Inputs:
-    return {
-        "q": _randn((s.B, s.T, s.h, s.c), dtype, device, gen),
-        "k": _randn((s.B, s.T, s.h, 1), dtype, device, gen),
-        "v": _randn((s.B, s.T, s.h, s.c), dtype, device, gen),
-        "w": _randn((s.h, AFT_CONV_KERNEL), dtype, device, gen, scale=0.5),
-    }
-
-
-def _conv_flops(mode: str, s: Shape, causal: bool) -> float:
-    f = 2.0 * AFT_CONV_KERNEL * s.B * s.T * (s.d + s.h) + 10.0 * s.B * s.T * s.d
-    if mode == "decode":
-        return 2.0 * AFT_CONV_KERNEL * s.B * (s.d + s.h) + 8.0 * s.B * s.d * s.d
-    return f if mode == "forward" else 3.0 * f
-
-
-def _conv_bytes(mode: str, s: Shape, causal: bool) -> float:
-    n = s.B * s.T * s.d
-    nk = s.B * s.T * s.h
-    if mode == "decode":
-        return (2.0 * s.B * AFT_CONV_KERNEL * (s.d + s.h) + 4.0 * s.d * s.d) * s.esize
-    return _io_bytes(2 * n + nk + s.h * AFT_CONV_KERNEL, n, mode) * s.esize
-
-
-def _decay_inputs(s: Shape, causal, dtype, device, gen) -> Inputs:
-    x = _qkv_inputs(s, causal, dtype, device, gen)
-    x["decay"] = (torch.rand((s.d,), generator=gen, dtype=torch.float64) * 0.5).to(
-        dtype=dtype, device=device
-    )
-    x["bonus"] = _randn((s.d,), dtype, device, gen, scale=0.5)
-    return x
-
-
-def _decay_bytes(mode: str, s: Shape, causal: bool) -> float:
-    n = s.B * s.T * s.d
-    if mode == "decode":
-        return (4.0 * s.B * s.d + 4.0 * s.d * s.d) * s.esize
-    return _io_bytes(3 * n + 2 * s.d, n, mode) * s.esize
-
-
-_F = "aftlab.functional"
-
-
-def _full_op(x: Inputs, causal: bool) -> torch.Tensor:
-    return _lazy_op(_F, "aft_full")(x["q"], x["k"], x["v"], x["w"], causal=causal)
-
-
-def _full_ref(x: Inputs, causal: bool) -> torch.Tensor:
-    return _lazy_op("aftlab.ops.aft_full", "aft_full_reference")(
-        x["q"], x["k"], x["v"], x["w"], causal=causal
-    )
-
-
-def _local_inputs(s: Shape, causal, dtype, device, gen) -> Inputs:
-    x = _qkv_inputs(s, causal, dtype, device, gen)
-    x["w_band"] = _randn((s.T, _band(s, causal, AFT_LOCAL_WINDOW)), dtype, device, gen, scale=0.5)
-    return x
-
-
-def _local_op(x: Inputs, causal: bool) -> torch.Tensor:
-    """The band form the mixer uses: ``w_band[t, j] = w_{t, t + j - (s - 1)}``, no ``T x T``."""
-    fn = _lazy_op("aftlab.ops.aft_local", "aft_local_band")
-    return fn(x["q"], x["k"], x["v"], x["w_band"], AFT_LOCAL_WINDOW, causal=causal)
-
-
-def _band_to_full(w_band: torch.Tensor, T: int) -> torch.Tensor:
-    """Scatter ``w_band (T, W)`` into a ``(T, T)`` bias (0 elsewhere), differentiably."""
-    s = min(AFT_LOCAL_WINDOW, T)
-    t = torch.arange(T)[:, None]
-    cols = t + torch.arange(w_band.shape[1])[None, :] - (s - 1)
+def _local_reference(x: Inputs, causal: bool) -> torch.Tensor:
+    """``aft_local_reference`` with ``w_band (T, W)`` scattered into ``w (T, T)`` (0 elsewhere)."""
+    q, k, v, w_band = x.values()
+    T, t = q.shape[1], torch.arange(q.shape[1])[:, None]
+    cols = t + torch.arange(w_band.shape[1])[None, :] - (min(WINDOW, T) - 1)
     inside = (cols >= 0) & (cols < T)
-    rows = t.expand_as(cols)
-    full = w_band.new_zeros(T, T)
-    return full.index_put((rows[inside], cols[inside]), w_band[inside])
+    w = w_band.new_zeros(T, T).index_put((t.expand_as(cols)[inside], cols[inside]), w_band[inside])
+    return aft_local_reference(q, k, v, w, WINDOW, causal=causal)
 
 
-def _local_ref(x: Inputs, causal: bool) -> torch.Tensor:
-    fn = _lazy_op("aftlab.ops.aft_local", "aft_local_reference")
-    w = _band_to_full(x["w_band"], x["q"].shape[1])
-    return fn(x["q"], x["k"], x["v"], w, AFT_LOCAL_WINDOW, causal=causal)
+def _causal(fn) -> Callable[[Inputs, bool], torch.Tensor]:
+    return lambda x, causal: fn(*x.values(), causal=causal)
 
 
-def _simple_op(x: Inputs, causal: bool) -> torch.Tensor:
-    return _lazy_op(_F, "aft_simple")(x["q"], x["k"], x["v"], causal=causal)
-
-
-def _simple_ref(x: Inputs, causal: bool) -> torch.Tensor:
-    return _lazy_op("aftlab.ops.aft_simple", "aft_simple_reference")(
-        x["q"], x["k"], x["v"], causal=causal
-    )
-
-
-def _conv_op(x: Inputs, causal: bool) -> torch.Tensor:
-    return _lazy_op(_F, "aft_conv")(x["q"], x["k"], x["v"], x["w"], causal=causal)
-
-
-def _conv_ref(x: Inputs, causal: bool) -> torch.Tensor:
-    return _lazy_op("aftlab.ops.aft_conv", "aft_conv_reference")(
-        x["q"], x["k"], x["v"], x["w"], causal=causal
-    )
-
-
-def _decay_op(x: Inputs, causal: bool) -> torch.Tensor:
-    return _lazy_op(_F, "aft_decay")(x["q"], x["k"], x["v"], x["decay"], x["bonus"])
-
-
-def _decay_ref(x: Inputs, causal: bool) -> torch.Tensor:
-    fn = _lazy_op("aftlab.ops.aft_decay", "aft_decay_reference")
-    return fn(x["q"], x["k"], x["v"], x["decay"], x["bonus"])
-
-
-# ----------------------------------------------------------------------------- matmul floor
-def _matmul_inputs(s: Shape, causal, dtype, device, gen) -> Inputs:
-    return {
-        "e": _randn((s.T, s.T), dtype, device, gen, scale=0.1),
-        "x": _randn((s.T, 2 * s.B * s.d), dtype, device, gen),
-    }
-
-
-def _matmul_op(x: Inputs, causal: bool) -> torch.Tensor:
-    """``exp(w) @ [exp(k) v, exp(k)]`` as one ``(T, T) @ (T, 2Bd)`` product; its backward is
-    the two products ``e^T @ g`` and ``g @ x^T``: the matrix work aft-full cannot avoid."""
-    return x["e"] @ x["x"]
-
-
-def _matmul_ref(x: Inputs, causal: bool) -> torch.Tensor:
-    return x["e"].double() @ x["x"].double()
-
-
-def _matmul_flops(mode: str, s: Shape, causal: bool) -> float:
-    return _full_flops(mode, s, False)
-
-
-def _matmul_bytes(mode: str, s: Shape, causal: bool) -> float:
-    n = 2 * s.B * s.T * s.d
-    return _io_bytes(n + s.T * s.T, n, mode) * s.esize
-
-
-def _matmul_mem(mode: str, s: Shape, causal: bool) -> float:
-    return (2 * s.T * s.T + 6 * s.B * s.T * s.d) * s.esize + 64 * 2**20
-
-
-#: The dense matrix products of non-causal aft-full, timed beside it (target: aft-full <= 1.5x).
-MATMUL_CASE = OpCase(
-    "aft-full-matmul",
-    _matmul_inputs,
-    _matmul_op,
-    _matmul_ref,
-    _matmul_flops,
-    _matmul_bytes,
-    _matmul_mem,
-    description="the (T,T)@(T,2Bd) product aft-full needs (and its backward)",
+ATTENTION = Op(  # q, k, v (B, h, T, c): the layout scaled_dot_product_attention takes
+    lambda s, causal: {n: ((s.B, s.h, s.T, s.c), 1.0) for n in "qkv"},
+    lambda x, causal: F.scaled_dot_product_attention(*x.values(), is_causal=causal),
+    _attention_reference,
+    _quadratic,
+    lambda s, causal: (3 * s.n, s.n),
+    lambda s: (4.0 * s.n, 2.0 * s.n),  # one query against the K and V cache
+    lambda s, causal: (4 * s.n, 12 * s.n),
+)
+SIMPLE = Op(
+    lambda s, causal: _qkv(s),
+    _causal(aft_simple),
+    _causal(aft_simple_reference),
+    lambda s, causal: 10.0 * s.n,  # exp, products, sums, sigmoid: a handful per element
+    lambda s, causal: (3 * s.n, s.n),
+    lambda s: (10.0 * s.B * s.d, 4.0 * s.B * s.d),  # the running sums
+    lambda s, causal: (8 * s.n, 24 * s.n),
 )
 
-CASES: dict[str, OpCase] = {
-    c.name: c
-    for c in (
-        OpCase(
-            "attention-sdpa",
-            _attn_inputs,
-            _sdpa,
-            _attention_reference,
-            _attn_flops,
-            _attn_bytes,
-            _sdpa_mem,
-            mixer="attention",
-            description="torch scaled_dot_product_attention, h heads of d/h",
-        ),
-        OpCase(
-            "attention-naive",
-            _attn_inputs,
-            _naive_attention,
-            _attention_reference,
-            _attn_flops,
-            _attn_bytes,
-            _naive_mem,
-            mixer="attention-naive",
-            description="einsum scores (B,h,T,T), softmax, einsum",
-        ),
-        OpCase(
-            "aft-full",
-            _w_inputs,
-            _full_op,
-            _full_ref,
-            _full_flops,
-            _full_bytes,
-            _full_mem,
-            mixer="aft-full",
-            description="aftlab.functional.aft_full, w (T, T)",
-        ),
-        OpCase(
-            "aft-local",
-            _local_inputs,
-            _local_op,
-            _local_ref,
-            _local_flops,
-            _local_bytes,
-            _local_mem,
-            mixer="aft-local",
-            mixer_options={"window": AFT_LOCAL_WINDOW},
-            description=f"aftlab.ops.aft_local.aft_local_band, window s={AFT_LOCAL_WINDOW}",
-        ),
-        OpCase(
-            "aft-simple",
-            _qkv_inputs,
-            _simple_op,
-            _simple_ref,
-            _simple_flops,
-            _simple_bytes,
-            _linear_mem,
-            mixer="aft-simple",
-            description="aftlab.functional.aft_simple",
-        ),
-        OpCase(
-            "aft-conv",
-            _conv_inputs,
-            _conv_op,
-            _conv_ref,
-            _conv_flops,
-            _conv_bytes,
-            _linear_mem,
-            mixer="aft-conv",
-            mixer_options={"kernel_size": AFT_CONV_KERNEL},
-            description=f"aftlab.functional.aft_conv, h heads, kernel s={AFT_CONV_KERNEL}",
-        ),
-        OpCase(
-            "aft-decay",
-            _decay_inputs,
-            _decay_op,
-            _decay_ref,
-            _simple_flops,
-            _decay_bytes,
-            _linear_mem,
-            mixer="aft-decay",
-            causal_only=True,
-            description="aftlab.functional.aft_decay (RWKV form), causal only",
-        ),
-    )
+#: How the op of each registered mixer is benchmarked, by mixer name.
+OPS: dict[str, Op] = {
+    "attention": ATTENTION,
+    "attention-naive": replace(  # the (B, h, T, T) scores are materialised
+        ATTENTION,
+        fast=_naive_attention,
+        mem=lambda s, causal: (2 * s.B * s.h * s.T**2 + 6 * s.n, 5 * s.B * s.h * s.T**2 + 6 * s.n),
+    ),
+    "aft-full": Op(
+        lambda s, causal: _qkv(s, w=((s.T, s.T), 0.5)),
+        _causal(aft_full),
+        _causal(aft_full_reference),
+        _quadratic,
+        lambda s, causal: (3 * s.n + s.T * s.T * (0.5 if causal else 1.0), s.n),
+        lambda s: (4.0 * s.n, 2.0 * s.n + s.T),  # the past exp(k) v, exp(k); a row of w
+        lambda s, causal: (3 * s.T**2 + 6 * s.n, 6 * s.T**2 + 16 * s.n),
+    ),
+    "aft-local": Op(  # the band form the mixer uses: w_band (T, W), no T x T
+        lambda s, causal: _qkv(s, w_band=((s.T, _band(s, causal)), 0.5)),
+        lambda x, causal: aft_local_band(*x.values(), WINDOW, causal=causal),
+        _local_reference,
+        lambda s, causal: s.n * (4.0 * _band(s, causal) + 10.0),  # global sums + band
+        lambda s, causal: (3 * s.n + s.T * _band(s, causal), s.n),  # only the band of w
+        lambda s: (4.0 * s.B * s.d * _band(s, True), 2.0 * s.B * s.d * WINDOW),  # ring buffer
+        lambda s, causal: ((_band(s, causal) + 12) * s.n, (2 * _band(s, causal) + 24) * s.n),
+        options={"window": WINDOW},
+    ),
+    "aft-simple": SIMPLE,
+    "aft-conv": replace(  # q, v (B, T, h, c), one key per head k (B, T, h, 1), kernels w (h, s)
+        SIMPLE,
+        inputs=lambda s, causal: {
+            "q": ((s.B, s.T, s.h, s.c), 1.0),
+            "k": ((s.B, s.T, s.h, 1), 1.0),
+            "v": ((s.B, s.T, s.h, s.c), 1.0),
+            "w": ((s.h, KERNEL), 0.5),
+        },
+        fast=_causal(aft_conv),
+        reference=_causal(aft_conv_reference),
+        flops=lambda s, causal: 2.0 * KERNEL * s.B * s.T * (s.d + s.h) + 10.0 * s.n,
+        io=lambda s, causal: (2 * s.n + s.B * s.T * s.h + s.h * KERNEL, s.n),
+        step=lambda s: (2.0 * KERNEL * s.B * (s.d + s.h), 2.0 * s.B * KERNEL * (s.d + s.h)),
+        options={"kernel_size": KERNEL},
+    ),
+    "aft-decay": replace(  # decays U(0, 0.5) and bonus, (d,)
+        SIMPLE,
+        inputs=lambda s, causal: _qkv(s, decay=((s.d,), "U"), bonus=((s.d,), 0.5)),
+        fast=lambda x, causal: aft_decay(*x.values()),
+        reference=lambda x, causal: aft_decay_reference(*x.values()),
+        io=lambda s, causal: (3 * s.n + 2 * s.d, s.n),
+        causal_only=True,
+    ),
 }
 
+#: ``e (T, T) @ x (T, 2Bd)``: ``exp(w) @ [exp(k) v, exp(k)]``, the products non-causal aft-full
+#: cannot avoid, timed beside it; their backward is ``e^T @ g`` and ``g @ x^T``.
+MATMUL = Op(
+    lambda s, causal: {"e": ((s.T, s.T), 0.1), "x": ((s.T, 2 * s.B * s.d), 1.0)},
+    lambda x, causal: x["e"] @ x["x"],
+    lambda x, causal: x["e"].double() @ x["x"].double(),
+    lambda s, causal: _quadratic(s, False),
+    lambda s, causal: (2 * s.n + s.T * s.T, 2 * s.n),
+    None,
+    lambda s, causal: (2 * s.T**2 + 6 * s.n,) * 2,
+)
 
-def default_cases() -> dict[str, OpCase]:
-    """A fresh copy of :data:`CASES` (the hook for adding or replacing cases, see ``run_bench``)."""
-    return dict(CASES)
+
+def cases() -> dict[str, Op | None]:
+    """The cases by name: every registered mixer (its op, or None: decoding only) and
+    ``aft-full-matmul`` (no decoding)."""
+    return {m: OPS.get(m) for m in available_mixers()} | {"aft-full-matmul": MATMUL}
+
+
+def decoder(name: str, op: Op | None, s: Shape, max_seq_len: int) -> torch.nn.Module:
+    """The mixer ``name`` as it decodes: causal, with the options of its op (aft-local's window)."""
+    options = op.options if op else {}
+    return build_mixer(
+        name, d_model=s.d, n_heads=s.h, causal=True, max_seq_len=max_seq_len, **options
+    )
+
+
+class WKV(torch.nn.Module):
+    """RWKV's WKV on keys = values = ``x (B, T, d)``, by ``impl`` (``"aftlab"`` or ``"hf-rwkv"``).
+
+    ``Y_t = sum_{t'<t} e^{-(t-1-t') lambda + K_t'} V_t' + e^{u + K_t} V_t`` over the same sum of
+    weights, ``lambda = exp(time_decay)``, ``u = time_first``: ``aft_decay(q = 30, x, x, lambda,
+    u)`` (``sigma(30) = 1`` in float32), or transformers' ``rwkv_linear_attention_cpu``.
+    """
+
+    def __init__(self, s: Shape, impl: str):
+        super().__init__()
+        self.impl = impl
+        self.time_decay = torch.nn.Parameter(torch.linspace(-3.0, 0.0, s.d))
+        self.time_first = torch.nn.Parameter(torch.linspace(-0.5, 0.5, s.d))
+        self.register_buffer("q", torch.full((s.B, s.T, s.d), 30.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.impl == "hf-rwkv":
+            from transformers.models.rwkv.modeling_rwkv import rwkv_linear_attention_cpu
+
+            return rwkv_linear_attention_cpu(self.time_decay, self.time_first, x, x)[0]
+        return aft_decay(self.q, x, x, self.time_decay.exp(), self.time_first)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The float64 per-position ``aft_decay_reference`` of the same WKV."""
+        return aft_decay_reference(self.q, x, x, self.time_decay.exp(), self.time_first)
+
+
+def _ours(name: str) -> Callable[[Shape], torch.nn.Module]:
+    return lambda s: build_mixer(name, d_model=s.d, n_heads=1, causal=False, max_seq_len=s.T)
+
+
+def _wkv(impl: str) -> Callable[[Shape], torch.nn.Module]:
+    return lambda s: WKV(s, impl)
+
+
+def _aft_pytorch(cls: str) -> Callable[[Shape], torch.nn.Module]:
+    return lambda s: getattr(import_module("aft_pytorch"), cls)(
+        max_seqlen=s.T, dim=s.d, hidden_dim=s.d
+    )
+
+
+#: Peers (module level): the module they import, its package, and ``(ours, builder, theirs,
+#: builder)`` pairs; a builder takes the :class:`Shape`. aft-pytorch non-causal, hf-rwkv causal.
+PEERS: dict[str, tuple[str, str, list[tuple[str, Callable, str, Callable]]]] = {
+    "aft-pytorch": (
+        "aft_pytorch",
+        "aft-pytorch",
+        [
+            ("aft-full", _ours("aft-full"), "AFTFull", _aft_pytorch("AFTFull")),
+            ("aft-simple", _ours("aft-simple"), "AFTSimple", _aft_pytorch("AFTSimple")),
+        ],
+    ),
+    "hf-rwkv": (
+        "transformers",
+        "transformers",
+        [("aft-decay", _wkv("aftlab"), "rwkv_linear_attention_cpu", _wkv("hf-rwkv"))],
+    ),
+}

@@ -1,15 +1,6 @@
-"""The correctness gate: no case is timed unless it matches its float64 reference.
-
-Before a case is timed, the same computation runs at a small size derived from the case
-(``B <= 2``, ``T <= 71``, at most 8 channels per head, the case's heads, dtype and device) and
-is compared with :func:`aftlab.testing.assert_close` (tolerances of the case's dtype):
-
-* ``forward``: the op's output against the float64 reference on the same inputs;
-* ``train``: also the gradients of every floating input for the same upstream gradient
-  ``dy``, the reference's through autograd in float64;
-* ``decode``: the module's outputs token by token (``init_state`` then ``step``) against the
-  module's ``forward`` on the whole sequence in float64 (a float64 copy of the same weights).
-"""
+"""The correctness gate of ``aftlab bench``: no case is timed before its computation, at a small
+shape (:func:`gate_shape`), matches its float64 reference (``aftlab.testing.assert_close``). See
+docs/benchmarks.md, "Correctness gate"."""
 
 from __future__ import annotations
 
@@ -20,18 +11,13 @@ from dataclasses import dataclass
 import torch
 
 from ..testing import assert_close, max_error
-from .cases import OpCase, Shape
-
-__all__ = ["GateResult", "gate_shape", "check_case", "check_module"]
-
-GATE_MAX_T = 71  # > 2 * 32: the aft-local band (s = 32) does not cover the whole sequence
-GATE_MAX_B = 2
-GATE_MAX_C = 8
+from .cases import Op, Shape, decoder
 
 
 @dataclass(frozen=True)
-class GateResult:
-    """Outcome of the gate: ``status`` is ``"passed"``, ``"failed"`` or ``"unavailable"``."""
+class Gate:
+    """``status``: ``"passed"`` (with the largest error), ``"failed"``, ``"unavailable"`` (op or
+    reference missing: skipped) or ``"unchecked"`` (a peer without a reference: timed)."""
 
     status: str
     note: str = ""
@@ -39,128 +25,92 @@ class GateResult:
 
 
 def gate_shape(s: Shape) -> Shape:
-    """The small shape the gate checks a case of shape ``s`` at."""
-    return Shape(
-        min(s.B, GATE_MAX_B), min(s.T, GATE_MAX_T), s.h * min(s.c, GATE_MAX_C), s.h, s.esize
-    )
+    """``B <= 2``, ``T <= 71`` (past aft-local's band of 2 x 32), at most 8 channels per head."""
+    return Shape(min(s.B, 2), min(s.T, 71), s.h * min(s.c, 8), s.h, s.esize)
 
 
-def _first_line(e: BaseException) -> str:
-    return traceback.format_exception_only(type(e), e)[-1].strip().splitlines()[0]
+def first_line(e: BaseException) -> str:
+    """``"Type: message"``, the message's first line only."""
+    return traceback.format_exception_only(e)[-1].strip().splitlines()[0]
 
 
-def _check_op(case: OpCase, mode: str, causal: bool, s: Shape, dtype, device) -> float:
-    if case.reference is None:
-        raise LookupError(f"{case.name} has no float64 reference")
-    gen = torch.Generator().manual_seed(1234)
-    x = case.make_inputs(s, causal, dtype, device, gen)
-    x64 = {n: t.detach().cpu().double() for n, t in x.items()}
-    train = mode == "train"
-    if train:
-        for t in (*x.values(), *x64.values()):
-            t.requires_grad_(True)
+def _grads(y: torch.Tensor, leaves: dict, dy: torch.Tensor) -> list[torch.Tensor]:
+    g = torch.autograd.grad(y, list(leaves.values()), dy.to(y), allow_unused=True)
+    return [torch.zeros_like(t) if a is None else a for t, a in zip(leaves.values(), g)]  # noqa: B905
+
+
+def _compare(name: str, fn, fn64, x: dict, x64: dict, train: bool) -> float:
+    """``fn()`` against ``fn64()``, and if ``train`` the gradients of the leaves ``x``, ``x64``
+    for the same ``dy``; the largest error."""
+    for t in (*x.values(), *x64.values()):
+        t.requires_grad_(train)
     with torch.set_grad_enabled(train):
-        y = case.op(x, causal)
-        y_ref = case.reference(x64, causal)
-    assert_close(f"{case.name} y", y, y_ref)
-    err = max_error(y.detach(), y_ref.detach())
+        y, y64 = fn(), fn64()
+    pairs = [("y", y, y64)]
     if train:
-        dy64 = torch.randn(y_ref.shape, generator=gen, dtype=torch.float64)
-        names = list(x)
-        g = torch.autograd.grad(
-            y, [x[n] for n in names], dy64.to(dtype=y.dtype, device=y.device), allow_unused=True
-        )
-        g_ref = torch.autograd.grad(y_ref, [x64[n] for n in names], dy64, allow_unused=True)
-        for n, a, e in zip(names, g, g_ref, strict=True):
-            a = torch.zeros_like(x[n]) if a is None else a
-            e = torch.zeros_like(x64[n]) if e is None else e
-            assert_close(f"{case.name} d{n}", a, e)
-            err = max(err, max_error(a, e))
-    return err
+        dy = torch.randn(y64.shape, generator=torch.Generator().manual_seed(1), dtype=y64.dtype)
+        pairs += zip((f"d{n}" for n in x), _grads(y, x, dy), _grads(y64, x64, dy), strict=True)
+    for what, a, e in pairs:
+        assert_close(f"{name} {what}", a, e)
+    return max(max_error(a.detach(), e.detach()) for _, a, e in pairs)
 
 
-def _check_decode(case: OpCase, s: Shape, dtype, device) -> float:
-    from aftlab.mixers import build_mixer
+def _check_op(name: str, op: Op, mode: str, causal: bool, s: Shape, dtype, device) -> float:
+    """The op's output (train: and the gradient of every input) against its reference."""
+    x = op.make(s, causal, dtype, device, torch.Generator().manual_seed(1234))
+    x64 = {n: t.detach().cpu().double() for n, t in x.items()}
+    fast, ref = lambda: op.fast(x, causal), lambda: op.reference(x64, causal)
+    return _compare(name, fast, ref, x, x64, mode == "train")
 
-    if case.mixer is None:
-        raise LookupError(f"{case.name} has no decoding module")
+
+def _copies(build, s: Shape, dtype, device):
+    """``(m, m64, x, x64)``: a float64 module and its copy in ``dtype``, an input ``(B, T, d)``."""
     torch.manual_seed(1234)
-    m = build_mixer(
-        case.mixer, d_model=s.d, n_heads=s.h, causal=True, max_seq_len=s.T, **case.mixer_options
-    ).eval()
-    m64 = copy.deepcopy(m).double()
-    m = m.to(device=device, dtype=dtype)
-    gen = torch.Generator().manual_seed(1234)
-    x = torch.randn(s.B, s.T, s.d, generator=gen, dtype=torch.float64)
+    m64 = build(s).double().eval()
+    x64 = torch.randn(s.B, s.T, s.d, generator=torch.Generator().manual_seed(1234)).double()
+    m = copy.deepcopy(m64).to(device=device, dtype=dtype)
+    return m, m64, x64.to(device=device, dtype=dtype, copy=True), x64
+
+
+def _check_decode(name: str, op: Op | None, s: Shape, dtype, device) -> float:
+    """The mixer's ``step`` outputs token by token against its float64 ``forward``."""
+    m, m64, x, x64 = _copies(lambda s: decoder(name, op, s, s.T), s, dtype, device)
     with torch.inference_mode():
-        y_ref = m64(x)
-        xs = x.to(device=device, dtype=dtype)
-        state = m.init_state(s.B, device=device, dtype=dtype)
-        ys = []
+        state, ys = m.init_state(s.B, device=device, dtype=dtype), []
         for t in range(s.T):
-            y_t, state = m.step(xs[:, t], state)
+            y_t, state = m.step(x[:, t], state)
             ys.append(y_t)
-        y = torch.stack(ys, 1)
-    assert_close(f"{case.name} step outputs", y, y_ref)
-    return max_error(y, y_ref)
+        return _compare(f"{name} step", lambda: torch.stack(ys, 1), lambda: m64(x64), {}, {}, False)
 
 
-def check_module(build, s: Shape, dtype: torch.dtype, device: torch.device) -> GateResult:
-    """Gate a comparison module ``build(s)`` that has a float64 ``reference(x)`` (a peer's too).
+def _check_module(build, s: Shape, dtype, device) -> float:
+    """A peer's module: output, gradients of ``x`` and its parameters, against ``reference``."""
+    m, m64, x, x64 = _copies(build, s, dtype, device)
+    x, x64 = {"x": x, **dict(m.named_parameters())}, {"x": x64, **dict(m64.named_parameters())}
+    return _compare("module", lambda: m(x["x"]), lambda: m64.reference(x64["x"]), x, x64, True)
 
-    Its output and the gradients of ``x`` and of every parameter, in ``dtype`` at
-    :func:`gate_shape` of ``s``, against the reference of a float64 copy of the same module.
-    """
-    s = gate_shape(s)
+
+def _gate(check, *args) -> Gate:
     try:
-        torch.manual_seed(1234)
-        m64 = build(s).double()
-        if not hasattr(m64, "reference"):
-            return GateResult("unavailable", "no float64 reference: outputs not compared")
-        m = copy.deepcopy(m64).to(device=device, dtype=dtype)
-        x64 = torch.randn(s.B, s.T, s.d, generator=torch.Generator().manual_seed(1234))
-        x64 = x64.double().requires_grad_(True)
-        x = x64.detach().to(device=device, dtype=dtype).requires_grad_(True)
-        y, y_ref = m(x), m64.reference(x64)
-        assert_close("y", y, y_ref)
-        dy = torch.randn_like(y_ref)
-        names = ["x", *(n for n, _ in m.named_parameters())]
-        g = torch.autograd.grad(y, [x, *m.parameters()], dy.to(y))
-        g_ref = torch.autograd.grad(y_ref, [x64, *m64.parameters()], dy)
-        err = max_error(y.detach(), y_ref.detach())
-        for n, a, e in zip(names, g, g_ref, strict=True):
-            assert_close(f"d{n}", a, e)
-            err = max(err, max_error(a, e))
+        return Gate("passed", max_error=check(*args))
     except AssertionError as e:
-        return GateResult("failed", f"correctness gate failed: {_first_line(e)}")
+        return Gate("failed", f"correctness gate failed: {first_line(e)}")
+    except (NotImplementedError, LookupError) as e:
+        return Gate("unavailable", f"not available: {first_line(e)}")
     except Exception as e:  # a crash at the gate is a failure of the case, reported as such
-        return GateResult("failed", f"correctness gate raised {_first_line(e)}")
-    return GateResult("passed", max_error=err)
+        return Gate("failed", f"correctness gate raised {first_line(e)}")
 
 
-def check_case(
-    case: OpCase, mode: str, causal: bool, shape: Shape, dtype: torch.dtype, device: torch.device
-) -> GateResult:
-    """Run the gate for one case at :func:`gate_shape` of ``shape``.
+def check_case(name: str, op: Op | None, mode: str, causal: bool, s: Shape, dtype, device) -> Gate:
+    """Gate case ``name`` (its op; the mixer ``name`` for ``decode``) at :func:`gate_shape`."""
+    if mode == "decode":
+        return _gate(_check_decode, name, op, gate_shape(s), dtype, device)
+    return _gate(_check_op, name, op, mode, causal, gate_shape(s), dtype, device)
 
-    Returns ``"passed"`` (with the largest absolute error), ``"failed"`` (a mismatch: the
-    first line of the assertion) or ``"unavailable"`` (op, reference or mixer missing or not
-    implemented yet; the case is then skipped, never timed).
-    """
-    s = gate_shape(shape)
-    try:
-        if mode == "decode":
-            err = _check_decode(case, s, dtype, device)
-        else:
-            err = _check_op(case, mode, causal, s, dtype, device)
-    except AssertionError as e:
-        return GateResult("failed", f"correctness gate failed: {_first_line(e)}")
-    except (NotImplementedError, LookupError, ImportError) as e:
-        return GateResult("unavailable", f"not available yet: {_first_line(e)}")
-    except ValueError as e:
-        if "unknown mixer" in str(e) or "unexpected keyword" in str(e):
-            return GateResult("unavailable", f"not available yet: {_first_line(e)}")
-        return GateResult("failed", f"correctness gate raised {_first_line(e)}")
-    except Exception as e:  # a crash at the gate is a failure of the case, reported as such
-        return GateResult("failed", f"correctness gate raised {_first_line(e)}")
-    return GateResult("passed", max_error=err)
+
+def check_module(build, s: Shape, dtype, device) -> Gate:
+    """Gate a peer's module ``build(s)`` against its float64 ``reference(x)``; ``"unchecked"``
+    (timed all the same) for a module without one."""
+    if not hasattr(build(gate_shape(s)), "reference"):
+        return Gate("unchecked", "no float64 reference: outputs not compared")
+    return _gate(_check_module, build, gate_shape(s), dtype, device)

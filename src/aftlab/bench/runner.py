@@ -1,210 +1,106 @@
-"""The benchmark run: plan the cases, gate them, measure them, and write the report.
-
-Example:
-    >>> from aftlab.bench import BenchConfig, run_bench
-    >>> result = run_bench(BenchConfig(mixers=["attention-sdpa"], lengths=[16, 32], batch=1,
-    ...                                dim=16, repeats=1, out="bench-out"))  # doctest: +SKIP
-"""
+"""The run of ``aftlab bench``: its options (:class:`BenchConfig`), then for every case: skip
+what cannot fit, gate, measure; then the report. See docs/benchmarks.md."""
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import math
 import os
-import statistics
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from .cases import CASES, MATMUL_CASE, MODES, OpCase, Shape
-from .gate import GateResult, check_case, check_module, gate_shape
-from .machine import machine_info, measure_limits
-from .measure import COMPARE_BUILDERS, PEERS, CaseSpec, can_isolate, run_case, run_isolated
-from .report import ROW_FIELDS
-
-__all__ = ["BenchConfig", "run_bench", "DTYPES"]
+from .cases import MATMUL, MODES, PEERS, Op, Shape
+from .cases import cases as all_cases
+from .gate import check_case, check_module, gate_shape
+from .measure import Spec, execute, machine_info, measure_limits, mem_available
+from .report import ROW_FIELDS, cell, ratios, write_report
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
+INTS = "lengths decode_positions compare_lengths batch dim heads threads repeats warmup".split()
+FLOATS = ["max_seconds_per_case", "max_memory_gb", "max_total_minutes"]
 
 
-def _mem_available() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 * 2**30
+def _opt(default, help: str):
+    """A field of :class:`BenchConfig` that is also an ``aftlab bench`` option."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass
 class BenchConfig:
-    """Options of one benchmark run (the CLI flags of ``aftlab bench``).
+    """Options of one run; each with a help is the ``aftlab bench`` option of the same name."""
 
-    Attributes:
-        mixers: case names from :data:`aftlab.bench.cases.CASES`.
-        lengths: sequence lengths ``T`` for ``forward`` and ``train``.
-        decode_positions: positions of the decoding step; default: ``lengths``.
-        batch: ``B``. dim: ``d``. heads: ``h`` (attention heads, aft-conv heads).
-        modes: subset of ``("forward", "train", "decode")``.
-        causal: run every mixer causal (else non-causal; aft-decay is causal only).
-        also_noncausal: mixers also run non-causal when ``causal`` is set (e.g. ``["aft-full"]``).
-        device, dtype, threads: where and how (``threads``: ``torch.set_num_threads``).
-        repeats: timed calls per case (median reported); warmup: untimed calls before.
-        max_seconds_per_case: time budget of a case; cases whose floor already exceeds it are
-            skipped, fewer repeats are timed when calls are slow, and a case running past 3x the
-            budget (plus a minute of set-up) is killed and reported as skipped.
-        max_memory_gb: skip cases whose estimated peak exceeds this; default 60% of the
-            available memory (CPU) or of the free GPU memory.
-        isolate: run each CPU case in a fresh process (default on CPU).
-        peers: module-level comparisons with other packages, among
-            :data:`aftlab.bench.measure.PEERS`: ``"aft-pytorch"`` (its AFTFull and AFTSimple
-            beside our aft-full and aft-simple) and ``"hf-rwkv"`` (transformers' RWKV CPU path
-            beside our aft-decay). compare_aft_pytorch: the same as ``"aft-pytorch"`` in peers.
-        compare_lengths: lengths of that comparison; default: ``lengths`` up to 4096 (its
-            AFTFull materialises ``exp(w)``, ``T x T``, twice per call).
-        max_total_minutes: once the run has taken this long, the remaining cases are skipped
-            with a note (cases run in the order of ``mixers``).
-        limits_size: ``"full"`` or ``"tiny"`` (tests) for the machine-limit measurements.
-        seed: seed of the random inputs.
-        out: output directory, or None to write nothing.
-    """
+    mixers: list[str] = _opt([], "cases, comma-separated (default: every registered mixer)")
+    lengths: list[int] = _opt([256, 1024, 4096, 16384], "T for forward and train")
+    decode_positions: list[int] | None = _opt(None, "positions of the decoding step (the lengths)")
+    batch: int = _opt(4, "batch size B")
+    dim: int = _opt(256, "width d")
+    heads: int = _opt(4, "heads of attention and aft-conv")
+    modes: list[str] = _opt(list(MODES), "some of forward,train,decode")
+    causal: bool = _opt(False, "causal mixers (default: non-causal)")
+    also_noncausal: list[str] = _opt([], "with --causal, mixers also run non-causal")
+    device: str = _opt("cpu", "cpu or cuda")
+    dtype: str = _opt("float32", f"one of {', '.join(DTYPES)}")
+    threads: int | None = _opt(None, "torch threads (default: torch's)")
+    repeats: int = _opt(5, "timed calls per case, median reported")
+    warmup: int = _opt(1, "untimed calls first")
+    max_seconds_per_case: float = _opt(60.0, "time budget of one case")
+    max_memory_gb: float | None = _opt(None, "skip cases estimated above it (default: 60% free)")
+    isolate: bool = True  # on CPU, each case in a fresh process (--no-isolate: False)
+    peers: list[str] = _opt([], f"implementations beside ours: {', '.join(PEERS)}")
+    compare_lengths: list[int] | None = _opt(None, "lengths of the peers (the lengths <= 4096)")
+    max_total_minutes: float | None = _opt(None, "then skip the remaining cases (no limit)")
+    limits_size: str = "full"  # "tiny" (tests): machine limits measured small, meaningless
+    seed: int = _opt(0, "seed of the inputs")
+    out: str | os.PathLike | None = _opt(None, "directory of the report (none: print only)")
 
-    mixers: list[str] = field(default_factory=lambda: list(CASES))
-    lengths: list[int] = field(default_factory=lambda: [256, 1024, 4096, 16384])
-    decode_positions: list[int] | None = None
-    batch: int = 4
-    dim: int = 256
-    heads: int = 4
-    modes: list[str] = field(default_factory=lambda: list(MODES))
-    causal: bool = False
-    also_noncausal: list[str] = field(default_factory=list)
-    device: str = "cpu"
-    dtype: str = "float32"
-    threads: int | None = None
-    repeats: int = 5
-    warmup: int = 1
-    max_seconds_per_case: float = 60.0
-    max_memory_gb: float | None = None
-    isolate: bool | None = None
-    peers: list[str] = field(default_factory=list)
-    compare_aft_pytorch: bool = False
-    compare_lengths: list[int] | None = None
-    max_total_minutes: float | None = None
-    limits_size: str = "full"
-    seed: int = 0
-    out: str | os.PathLike | None = None
-
-    def validate(self, cases: dict[str, OpCase] | None = None) -> None:
-        """Raise ``ValueError`` (one line, naming the option) on bad options."""
-        known = CASES if cases is None else cases
-        bad = [m for m in self.mixers if m not in known]
-        if bad or not self.mixers:
-            raise ValueError(f"bench: --mixers must name some of {list(known)}, got {self.mixers}")
-        for name in self.also_noncausal:
-            if name not in self.mixers:
-                raise ValueError(
-                    f"bench: --also-noncausal {name!r} is not among --mixers {self.mixers}"
-                )
-        for opt, vals in (
-            ("lengths", self.lengths),
-            ("decode-positions", self.decode_positions or [1]),
-            ("compare-lengths", self.compare_lengths or [1]),
-        ):
-            if not vals or any(
-                isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in vals
-            ):
-                raise ValueError(f"bench: --{opt} must be positive integers, got {vals}")
-        if any(p not in PEERS for p in self.peers):
-            raise ValueError(f"bench: --peers must be some of {list(PEERS)}, got {self.peers}")
-        bad_modes = [m for m in self.modes if m not in MODES]
-        if bad_modes or not self.modes:
-            raise ValueError(f"bench: --modes must be some of {list(MODES)}, got {self.modes}")
-        for opt in ("batch", "dim", "heads", "repeats"):
-            v = getattr(self, opt)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"bench: --{opt} must be a positive integer, got {v!r}")
-        if self.warmup < 1:
-            raise ValueError(f"bench: --warmup must be >= 1, got {self.warmup}")
-        if self.dim % self.heads:
-            raise ValueError(f"bench: --dim {self.dim} must be divisible by --heads {self.heads}")
-        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
-            raise ValueError(f"bench: --threads must be a positive integer, got {self.threads!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"bench: --dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"bench: --device must be 'cpu' or 'cuda', got {self.device!r}")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("bench: --device cuda was asked for but torch sees no CUDA device")
-        if not (self.max_seconds_per_case > 0 and math.isfinite(self.max_seconds_per_case)):
-            raise ValueError(
-                f"bench: --max-seconds-per-case must be > 0, got {self.max_seconds_per_case}"
-            )
-        if self.max_total_minutes is not None and not self.max_total_minutes > 0:
-            raise ValueError(
-                f"bench: --max-total-minutes must be > 0, got {self.max_total_minutes}"
-            )
-        if self.max_memory_gb is not None and not self.max_memory_gb > 0:
-            raise ValueError(f"bench: --max-memory-gb must be > 0, got {self.max_memory_gb}")
-        if self.limits_size not in ("full", "tiny"):
-            raise ValueError(
-                f"bench: limits_size must be 'full' or 'tiny', got {self.limits_size!r}"
-            )
-        if self.out is not None and Path(self.out).exists() and not Path(self.out).is_dir():
-            raise ValueError(f"bench: --out {str(self.out)!r} exists and is not a directory")
+    def validate(self, table: dict[str, Op | None]) -> None:
+        """Fill the defaults; raise ``ValueError`` (one line, naming the option) on a bad one."""
+        self.mixers = self.mixers or [n for n in table if table[n] is not MATMUL]
+        self.peers = list(dict.fromkeys(self.peers))
+        out = Path(self.out) if self.out is not None else None
+        checks = [
+            (n, _positive(getattr(self, n), n in INTS), "integers > 0" if n in INTS else "> 0")
+            for n in INTS + FLOATS
+        ]
+        checks += [
+            ("mixers", set(self.mixers) <= set(table), f"some of {list(table)}"),
+            ("also_noncausal", set(self.also_noncausal) <= set(self.mixers), "among --mixers"),
+            ("modes", self.modes and set(self.modes) <= set(MODES), f"some of {list(MODES)}"),
+            ("peers", set(self.peers) <= set(PEERS), f"some of {list(PEERS)}"),
+            ("dim", self.dim % self.heads == 0, f"divisible by --heads {self.heads}"),
+            ("dtype", self.dtype in DTYPES, f"one of {list(DTYPES)}"),
+            ("device", self.device in ("cpu", "cuda"), "'cpu' or 'cuda'"),
+            ("device", self.device != "cuda" or torch.cuda.is_available(), "a device torch sees"),
+            ("out", out is None or not out.exists() or out.is_dir(), "a directory"),
+        ]
+        for name, ok, want in checks:
+            if not ok:
+                flag = name.replace("_", "-")
+                raise ValueError(f"bench: --{flag} must be {want}, got {getattr(self, name)!r}")
 
 
-def _max_memory_bytes(cfg: BenchConfig, device: torch.device) -> float:
-    if cfg.max_memory_gb is not None:
-        return cfg.max_memory_gb * 2**30
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return 0.6 * free
-    return 0.6 * _mem_available()
+def _positive(v, integer: bool) -> bool:
+    """``v`` is None, or a finite number above 0 (a list: not empty, each)."""
+    kind = int if integer else (int, float)
 
+    def ok(x) -> bool:
+        return isinstance(x, kind) and not isinstance(x, bool) and 0 < x < math.inf
 
-def _variants(cfg: BenchConfig) -> list[tuple[str, bool]]:
-    """(case, causal) in the order of ``cfg.mixers``; aft-full's matrix products right after it."""
-    wants_matmul = any(m in cfg.modes for m in ("forward", "train"))
-    out = []
-    for name in cfg.mixers:
-        out.append((name, cfg.causal))
-        if cfg.causal and name in cfg.also_noncausal:
-            out.append((name, False))
-        if name == "aft-full" and wants_matmul and MATMUL_CASE.name not in cfg.mixers:
-            out.append((MATMUL_CASE.name, False))
-    return out
-
-
-def _floors(case: OpCase, mode: str, s: Shape, causal: bool, limits: dict) -> dict:
-    flops, nbytes = case.flops(mode, s, causal), case.bytes(mode, s, causal)
-    f_bw = nbytes / limits["bandwidth_bytes_per_s"]
-    f_fl = flops / limits["gemm_flops_per_s"]
-    return {
-        "flops": flops,
-        "bytes": nbytes,
-        "floor_bandwidth_s": f_bw,
-        "floor_flops_s": f_fl,
-        "floor_s": max(f_bw, f_fl),
-        "floor_bound": "memory" if f_bw >= f_fl else "compute",
-    }
-
-
-def _row(**kw) -> dict:
-    base = dict.fromkeys(ROW_FIELDS)
-    base.update(kw)
-    return base
+    return v is None or (v != [] and all(map(ok, v if isinstance(v, list) else [v])))
 
 
 def run_bench(
     cfg: BenchConfig,
     *,
-    cases: dict[str, OpCase] | None = None,
+    cases: dict[str, Op | None] | None = None,
     argv: list[str] | None = None,
     log: Callable[[str], None] | None = print,
 ) -> dict:
@@ -212,307 +108,165 @@ def run_bench(
 
     Args:
         cfg: the options.
-        cases: the case table (default :data:`aftlab.bench.cases.CASES`). This is the hook for
-            adding or replacing a case (e.g. a deliberately wrong op, which the correctness gate
-            must refuse). A case not in the built-in table runs in this process, not isolated.
+        cases: the case table (default :func:`aftlab.bench.cases.cases`): the hook for adding or
+            replacing a case (e.g. a wrong op, which the gate must refuse); a case that is not
+            the built-in one runs in this process, not isolated.
         argv: the command line recorded in the report (default ``sys.argv``).
         log: called with one line per case as the run progresses (None: silent).
 
     Returns:
-        ``{"machine": ..., "limits": ..., "config": ..., "results": [rows], "compare": [rows],
-        "targets": [...]}``; each row has ``status`` ``"ok"``, ``"failed"`` (gate),
-        ``"skipped"`` or ``"error"`` with a ``note``.
+        ``{"machine", "limits", "config", "results": [rows], "compare": [rows], "ratios",
+        "wall_s"}``; each row's ``status`` is ``"ok"``, ``"failed"`` (gate), ``"skipped"`` or
+        ``"error"``, with a ``note`` for all but ``"ok"``.
     """
-    table = dict(CASES if cases is None else cases)
-    table.setdefault(MATMUL_CASE.name, MATMUL_CASE)
+    table = all_cases() if cases is None else {"aft-full-matmul": MATMUL, **cases}
     cfg.validate(table)
-    say = log or (lambda _msg: None)
-    device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
-    if cfg.threads is not None:
-        torch.set_num_threads(cfg.threads)
-    threads = torch.get_num_threads()
-    isolate = cfg.isolate if cfg.isolate is not None else device.type == "cpu"
-    esize = torch.empty((), dtype=dtype).element_size()
-    mem_limit = _max_memory_bytes(cfg, device)
-    t0 = time.perf_counter()
-
-    say(f"measuring machine limits on {device} ({cfg.dtype}, {threads} threads)...")
-    limits = measure_limits(device, dtype, size=cfg.limits_size)
-    say(
-        f"  GEMM {limits['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s, "
-        f"bandwidth {limits['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s"
+    run = _Run(cfg, log or (lambda _line: None))
+    run.say(f"measuring machine limits on {run.device} ({cfg.dtype}, {cfg.threads} threads)...")
+    lim = run.limits = measure_limits(run.device, run.dtype, size=cfg.limits_size)
+    run.say(
+        f"  GEMM {lim['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s, bandwidth "
+        f"{lim['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s; each case: median time / peak memory "
+        "above the inputs / time over its floor"
     )
-
-    rows: list[dict] = []
-    gates: dict[tuple, GateResult] = {}
-    for name, causal in _variants(cfg):
-        case = table[name]
-        for mode in cfg.modes:
-            if mode == "decode" and name == MATMUL_CASE.name:
-                continue
-            lengths = (cfg.decode_positions or cfg.lengths) if mode == "decode" else cfg.lengths
-            given_up, last_ok = "", None
-            for T in sorted(lengths):
-                s = Shape(cfg.batch, T, cfg.dim, cfg.heads, esize)
-                row = _row(
-                    mixer=name,
-                    causal=causal if mode != "decode" else True,
-                    mode=mode,
-                    T=T,
-                    B=cfg.batch,
-                    d=cfg.dim,
-                    heads=cfg.heads,
-                    dtype=cfg.dtype,
-                    device=cfg.device,
-                    threads=threads,
-                )
-                rows.append(row)
-                row.update(_floors(case, mode, s, row["causal"], limits))
-                row["est_peak_bytes"] = case.mem_estimate(mode, s, row["causal"])
-                if case.causal_only and not row["causal"]:
-                    row.update(status="skipped", note=f"{name} is causal only (use --causal)")
-                elif mode == "decode" and case.mixer is None:
-                    row.update(status="skipped", note=f"{name} has no decoding module")
-                elif given_up:
-                    row.update(status="skipped", note=given_up)
-                elif _out_of_time(cfg, t0):
-                    row.update(status="skipped", note=_TOTAL_NOTE.format(cfg.max_total_minutes))
-                elif row["est_peak_bytes"] > mem_limit:
-                    row.update(
-                        status="skipped",
-                        note=(
-                            f"estimated peak {row['est_peak_bytes'] / 2**30:.2f} GiB exceeds the "
-                            f"memory limit {mem_limit / 2**30:.2f} GiB"
-                        ),
-                    )
-                elif 2 * row["floor_s"] > cfg.max_seconds_per_case:
-                    row.update(
-                        status="skipped",
-                        note=(
-                            f"2 calls at the floor ({row['floor_s']:.2f} s each) exceed the "
-                            f"{cfg.max_seconds_per_case:g} s budget"
-                        ),
-                    )
-                elif (
-                    last_ok is not None and _predicted(mode, T, *last_ok) > cfg.max_seconds_per_case
-                ):
-                    row.update(status="skipped", note=_linear_note(mode, T, *last_ok, cfg))
-                if row["status"] is None:
-                    key = (name, mode, row["causal"], gate_shape(s))
-                    if key not in gates:
-                        gates[key] = check_case(case, mode, row["causal"], s, dtype, device)
-                    g = gates[key]
-                    row["gate"], row["gate_max_error"] = g.status, g.max_error
-                    if g.status == "failed":
-                        row.update(status="failed", note=g.note)
-                    elif g.status == "unavailable":
-                        row.update(status="skipped", note=g.note)
-                if row["status"] is None:
-                    _measure(row, case, cfg, s, mode, threads, isolate)
-                    if row["status"] == "skipped" and _over_time(row["note"]):
-                        given_up = f"skipped: T={T} already exceeded the time budget"
-                    elif row["status"] == "ok":
-                        last_ok = (row["time_median_s"], T)
-                elif row["status"] == "skipped" and _over_time(row["note"]):
-                    given_up = row["note"]
-                say(_progress(row))
-
-    peers = list(dict.fromkeys([*(["aft-pytorch"] if cfg.compare_aft_pytorch else []), *cfg.peers]))
-    compare = [row for p in peers for row in _run_compare(p, cfg, threads, isolate, esize, say, t0)]
-    from .report import evaluate_targets, write_report
-
+    variants = []
+    for name in cfg.mixers:  # aft-full's matrix products right after it
+        variants.append((name, cfg.causal))
+        if cfg.causal and name in cfg.also_noncausal:
+            variants.append((name, False))
+        if name == "aft-full" and "aft-full-matmul" not in cfg.mixers:
+            variants.append(("aft-full-matmul", False))
     result = {
-        "machine": machine_info(device, argv),
-        "limits": limits,
-        "config": {
-            k: (str(v) if isinstance(v, os.PathLike) else v)
-            for k, v in dataclasses.asdict(cfg).items()
-        },
-        "results": rows,
-        "compare": compare,
-        "wall_s": time.perf_counter() - t0,
+        "machine": machine_info(run.device, argv),
+        "limits": lim,
+        "config": {k: str(v) if isinstance(v, os.PathLike) else v for k, v in vars(cfg).items()},
+        "results": [r for n, c in variants for m in cfg.modes for r in run.case(n, table[n], c, m)],
+        "compare": [r for peer in cfg.peers for r in run.peer(peer)],
     }
-    result["machine"]["threads"] = threads
-    result["targets"] = evaluate_targets(result)
+    result.update(wall_s=time.perf_counter() - run.t0, ratios=ratios(result))
     if cfg.out is not None:
         for line in write_report(result, Path(cfg.out)):
-            say(line)
+            run.say(line)
     return result
 
 
-def _spec(name: str, mode: str, causal: bool, s: Shape, cfg: BenchConfig, threads: int) -> CaseSpec:
-    return CaseSpec(
-        name,
-        mode,
-        causal,
-        s,
-        cfg.dtype,
-        cfg.device,
-        threads,
-        cfg.repeats,
-        cfg.warmup,
-        cfg.max_seconds_per_case,
-        cfg.seed,
-    )
+class _Run:
+    """One run's settings and clock; each case and peer becomes rows through :meth:`_sweep`."""
 
+    def __init__(self, cfg: BenchConfig, say: Callable[[str], None]):
+        self.cfg, self.say, self.t0, self.gates = cfg, say, time.perf_counter(), {}
+        self.device, self.dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
+        if cfg.threads is not None:
+            torch.set_num_threads(cfg.threads)
+        cfg.threads = torch.get_num_threads()  # the case processes use the same
+        self.isolate = cfg.isolate and self.device.type == "cpu"
+        self.esize = torch.empty((), dtype=self.dtype).element_size()
+        free = torch.cuda.mem_get_info(self.device)[0] if cfg.device == "cuda" else mem_available()
+        self.mem_limit = 2**30 * cfg.max_memory_gb if cfg.max_memory_gb else 0.6 * free
 
-def _execute(spec: CaseSpec, case: OpCase | None, isolate: bool, budget: float) -> dict:
-    builtin = (
-        spec.name in COMPARE_BUILDERS
-        or spec.name == MATMUL_CASE.name
-        or (spec.name in CASES and CASES[spec.name] is case)
-    )
-    if isolate and builtin and can_isolate():
-        return run_isolated(spec, timeout=3 * budget + 60)
-    return run_case(spec, case)
+    def row(self, mode: str, T: int, **kw) -> dict:
+        """A result row (:data:`ROW_FIELDS`, unset: None) of this run."""
+        c = self.cfg
+        base = dict(mode=mode, T=T, B=c.batch, d=c.dim, dtype=c.dtype, device=c.device)
+        return {**dict.fromkeys(ROW_FIELDS), **base, "threads": c.threads, **kw}
 
+    def case(self, name: str, op: Op | None, causal: bool, mode: str) -> list[dict]:
+        """The rows of one case in one mode, over the lengths (decode: the positions)."""
+        causal, cfg, items, why = causal or mode == "decode", self.cfg, [], ""
+        if mode == "decode" and op is MATMUL:
+            return []
+        if op is None and mode != "decode":
+            why = f"{name} has no op-level entry (aftlab.bench.cases.OPS)"
+        elif op is not None and op.causal_only and not causal:
+            why = f"{name} is causal only (use --causal)"
+        for T in (cfg.decode_positions or cfg.lengths) if mode == "decode" else cfg.lengths:
+            s = Shape(cfg.batch, T, cfg.dim, cfg.heads, self.esize)
+            row = self.row(mode, T, mixer=name, causal=causal, heads=s.h)
+            if op is not None and (mode != "decode" or op.step is not None):
+                row.update(op.floors(mode, s, causal, self.limits))
+            gate = partial(check_case, name, op, mode, causal, s, self.dtype, self.device)
+            key = (name, mode, causal, gate_shape(s))  # gated once per gate shape
+            items.append((row, why, key, gate, Spec(name, mode, causal, s, cfg), op))
+        return self._sweep(mode, items)
 
-def _measure(
-    row: dict, case: OpCase, cfg: BenchConfig, s: Shape, mode: str, threads: int, isolate: bool
-) -> None:
-    out = _execute(
-        _spec(case.name, mode, row["causal"], s, cfg, threads),
-        case,
-        isolate,
-        cfg.max_seconds_per_case,
-    )
-    row["status"], row["note"] = out["status"], out.get("note", "")
-    if out["status"] != "ok":
-        return
-    times = out["times"]
-    med = statistics.median(times)
-    where = "fresh process" if out.get("pid") != os.getpid() else "in-process"
-    row.update(
-        time_median_s=med,
-        time_min_s=min(times),
-        repeats=len(times),
-        peak_bytes=out["peak_bytes"],
-        mem_method=f"{out['mem_method']}, {where}",
-        state_bytes=out.get("state_bytes"),
-        ratio_to_floor=med / row["floor_s"] if row["floor_s"] else None,
-    )
-    if len(times) < cfg.repeats:
-        row["note"] = f"{len(times)} of {cfg.repeats} repeats within the time budget"
+    def peer(self, peer: str) -> list[dict]:
+        """The rows of one peer: each module of each pair gated once, then timed."""
+        module, package, pairs = PEERS[peer]
+        if importlib.util.find_spec(module) is None:
+            self.say(f"{peer} skipped: {package} is not installed (pip install {package})")
+            return [{"peer": peer, "status": "skipped", "note": f"{package} is not installed"}]
+        cfg, rows = self.cfg, []
+        lengths = cfg.compare_lengths or [T for T in cfg.lengths if T <= 4096]
+        shape = partial(Shape, cfg.batch, d=cfg.dim, h=1, esize=self.esize)
+        for ours, build, theirs, their_build in pairs:
+            for impl, variant, b in (("aftlab", ours, build), (peer, theirs, their_build)):
+                gate = partial(check_module, b, shape(max(lengths)), self.dtype, self.device)
+                for mode in [m for m in cfg.modes if m != "decode"]:
+                    items = []
+                    for T in lengths:  # aft-pytorch's AFTFull has two T x T temporaries
+                        est = (6 if mode == "train" else 3) * T * T * ("full" in variant.lower())
+                        est = (est + 30 * cfg.batch * T * cfg.dim) * self.esize
+                        row = self.row(mode, T, peer=peer, pair=ours, impl=impl, variant=variant)
+                        spec = Spec(f"{peer}:{impl}:{variant}", mode, False, shape(T), cfg)
+                        row["est_peak_bytes"] = est
+                        items.append((row, "", (peer, impl, variant), gate, spec, None))
+                    rows += self._sweep(mode, items)
+        return rows
 
-
-def _run_compare(peer, cfg, threads, isolate, esize, say, t0) -> list[dict]:
-    """The rows of one peer: each (ours, theirs) pair gated if it can be, then timed."""
-    module, package, pairs = PEERS[peer]
-    if importlib.util.find_spec(module) is None:
-        say(f"{peer} comparison skipped: {package} is not installed (pip install {package})")
-        return [{"peer": peer, "status": "skipped", "note": f"{package} is not installed"}]
-    rows, dtype, device = [], getattr(torch, cfg.dtype), torch.device(cfg.device)
-    for ours, theirs in pairs:
-        for impl, variant in (("aftlab", ours), (peer, theirs)):
-            name = f"cmp:{impl}:{variant}"
-            s = Shape(cfg.batch, max(cfg.compare_lengths or cfg.lengths), cfg.dim, 1, esize)
-            gate = check_module(COMPARE_BUILDERS[name], s, dtype, device)
-            given_up = gate.note if gate.status == "failed" else ""
-            for mode in [m for m in cfg.modes if m != "decode"]:
-                last_ok = None
-                for T in sorted(cfg.compare_lengths or [t for t in cfg.lengths if t <= 4096]):
-                    s = Shape(cfg.batch, T, cfg.dim, 1, esize)
-                    row = dict.fromkeys(
-                        ("time_median_s", "peak_bytes", "finite", "finite_large_input", "status")
-                    )
-                    row.update(
-                        peer=peer,
-                        pair=ours,
-                        impl=impl,
-                        variant=variant,
-                        mode=mode,
-                        T=T,
-                        B=cfg.batch,
-                        d=cfg.dim,
-                        note="",
-                        gate=gate.status,
-                        gate_max_error=gate.max_error,
-                    )
-                    rows.append(row)
-                    est = (6 if mode == "train" else 3) * T * T * esize * (
-                        "full" in variant.lower()
-                    ) + 30 * cfg.batch * T * cfg.dim * esize
-                    if given_up:
-                        row.update(
-                            status="failed" if gate.status == "failed" else "skipped", note=given_up
-                        )
-                    elif _out_of_time(cfg, t0):
-                        row.update(status="skipped", note=_TOTAL_NOTE.format(cfg.max_total_minutes))
-                    elif last_ok and _predicted(mode, T, *last_ok) > cfg.max_seconds_per_case:
-                        row.update(status="skipped", note=_linear_note(mode, T, *last_ok, cfg))
-                    elif est > _max_memory_bytes(cfg, device):
-                        row.update(
-                            status="skipped", note=f"estimated peak {est / 2**30:.2f} GiB too large"
-                        )
-                    else:
-                        out = _execute(
-                            _spec(name, mode, False, s, cfg, threads),
-                            None,
-                            isolate,
-                            cfg.max_seconds_per_case,
-                        )
-                        row["status"], row["note"] = out["status"], out.get("note", "")
-                        if out["status"] == "ok":
-                            row.update(
-                                time_median_s=statistics.median(out["times"]),
-                                peak_bytes=out["peak_bytes"],
-                                finite=out["finite"],
-                                finite_large_input=out["finite_large_input"],
-                            )
-                            last_ok = (row["time_median_s"], T)
-                        elif out["status"] == "skipped" and _over_time(row["note"]):
-                            given_up = f"skipped: T={T} already exceeded the time budget"
-                    say(
-                        f"  compare {impl:11s} {variant:10s} {mode:7s} T={T:<6d} {_fmt_status(row)}"
-                    )
-    return rows
-
-
-_TOTAL_NOTE = "the run reached --max-total-minutes {:g} before this case"
-
-
-def _out_of_time(cfg: BenchConfig, t0: float) -> bool:
-    return (
-        cfg.max_total_minutes is not None and time.perf_counter() - t0 > 60 * cfg.max_total_minutes
-    )
+    def _sweep(self, mode: str, items: list[tuple]) -> list[dict]:
+        """The rows of ``items`` by ascending T, each skipped (with the reason), refused by the
+        gate or measured. An item: ``(row, reason to skip, gate key, gate, spec, case)``."""
+        cfg, given_up, last = self.cfg, "", None
+        budget, minutes = cfg.max_seconds_per_case, cfg.max_total_minutes
+        items = sorted(items, key=lambda item: item[0]["T"])
+        for row, note, key, gate, spec, op in items:
+            T, floor = row["T"], row.get("floor_s") or 0.0
+            if note or given_up:
+                note = note or given_up
+            elif minutes and time.perf_counter() - self.t0 > 60 * minutes:
+                note = f"the run reached --max-total-minutes {minutes:g} before this case"
+            elif (row["est_peak_bytes"] or 0) > self.mem_limit:
+                note = (
+                    f"estimated peak {row['est_peak_bytes'] / 2**30:.2f} GiB exceeds the "
+                    f"memory limit {self.mem_limit / 2**30:.2f} GiB"
+                )
+            elif 2 * floor > budget:
+                note = f"2 calls at the floor ({floor:.2f} s each) exceed the {budget:g} s budget"
+            elif last and _predicted(mode, T, *last) > budget:
+                note = (
+                    f"{'building the state' if mode == 'decode' else '2 calls'} would take >= "
+                    f"{_predicted(mode, T, *last):.0f} s (at least linear from "
+                    f"{last[0] * 1e3:.3g} ms at T={last[1]}), over the {budget:g} s budget"
+                )
+            g = None if note else self.gates.get(key) or self.gates.setdefault(key, gate())
+            if g is not None:
+                row.update(gate=g.status, gate_max_error=g.max_error)
+                note = g.note if g.status in ("failed", "unavailable") else ""
+            if note:
+                row.update(status="failed" if g and g.status == "failed" else "skipped", note=note)
+            else:
+                row.update(execute(spec, op, self.isolate))
+                if row["status"] == "ok" and row["floor_s"]:
+                    row["ratio_to_floor"] = row["time_median_s"] / row["floor_s"]
+            if row["status"] == "ok":
+                last = (row["time_median_s"], T)
+            elif row["status"] == "skipped" and re.search("budget|time limit", row["note"]):
+                given_up = given_up or f"T={T} already exceeded the time budget"
+            self.say(_progress(row))
+        return [item[0] for item in items]
 
 
 def _predicted(mode: str, T: int, t_prev: float, T_prev: int) -> float:
-    """Lower bound of the seconds a case at ``T`` needs, from ``t_prev`` s per call at ``T_prev``.
-
-    Every mixer is at least linear in ``T``: two calls (warm-up and one timed) need at least
-    ``2 t_prev T / T_prev``. A decoding state built step by step passes positions ``T_prev`` to
-    ``T``, each step costing at least ``t_prev`` (a step's cost does not fall with position).
-    """
-    if mode == "decode":
-        return (T - T_prev) * t_prev
-    return 2 * t_prev * T / T_prev
-
-
-def _linear_note(mode: str, T: int, t_prev: float, T_prev: int, cfg: BenchConfig) -> str:
-    what = "building the state" if mode == "decode" else "2 calls"
-    return (
-        f"{what} would take >= {_predicted(mode, T, t_prev, T_prev):.0f} s (at least linear "
-        f"from {t_prev * 1e3:.3g} ms at T={T_prev}), over the {cfg.max_seconds_per_case:g} s budget"
-    )
-
-
-def _over_time(note: str | None) -> bool:
-    return bool(note) and ("budget" in note or "time limit" in note)
-
-
-def _fmt_status(row: dict) -> str:
-    if row["status"] == "ok":
-        mem = row.get("peak_bytes")
-        mem_s = f"{mem / 2**20:9.1f} MiB" if mem is not None else "      n/a"
-        return f"{row['time_median_s'] * 1e3:10.3f} ms {mem_s}"
-    return f"{row['status'].upper()}: {row['note']}"
+    """Seconds a case at ``T`` needs at least, from ``t_prev`` per call at ``T_prev``: every mixer
+    is at least linear in ``T`` (2 calls; a decoding state passes positions ``T_prev .. T``)."""
+    return (T - T_prev) * t_prev if mode == "decode" else 2 * t_prev * T / T_prev
 
 
 def _progress(row: dict) -> str:
-    tag = "causal" if row["causal"] else "non-causal"
-    extra = ""
-    if row["status"] == "ok" and row.get("ratio_to_floor"):
-        extra = f"  ({row['ratio_to_floor']:.1f}x floor)"
-    head = f"  {row['mixer']:15s} {tag:10s} {row['mode']:7s} T={row['T']:<6d}"
-    return f"{head} {_fmt_status(row)}{extra}"
+    what = (
+        f"compare {row['impl']:11s} {row['variant']:10s}"
+        if row.get("peer")
+        else f"{row['mixer']:15s} {'causal' if row['causal'] else 'non-causal':10s}"
+    )
+    note = f": {row['note']}" if row["status"] != "ok" else ""
+    return f"  {what} {row['mode']:7s} T={row['T']:<6d} {cell(row)}{note}"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -15,14 +14,12 @@ from ..train.errors import UsageError
 
 
 def _config_args(p: argparse.ArgumentParser, *, out_help: str) -> None:
+    from ..data import available_tasks
+
     p.add_argument(
         "--config", metavar="FILE", help="TOML config file (see configs/ and docs/training.md)"
     )
-    p.add_argument(
-        "--task",
-        help="task name: text (default), enwik8, text8, digits, digits-classify, "
-        "cifar10, recall, ...",
-    )
+    p.add_argument("--task", help=f"task name: {', '.join(available_tasks())} (default text)")
     p.add_argument(
         "--data",
         metavar="PATH",
@@ -42,15 +39,24 @@ def _config_args(p: argparse.ArgumentParser, *, out_help: str) -> None:
     )
 
 
-def _overrides(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
-    """The shortcuts ``names`` (``--data``, ...) as ``key=value`` overrides, then ``--set``'s."""
-    out = []
-    for name in names:
-        value = getattr(args, name, None)
-        if value is not None:
-            check_text(value, f"--{name}")
-            out.append(f"{name}={json.dumps(value)}")
-    return out + [check_text(o, "--set") for o in args.overrides]
+def _flags(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, object]:
+    """The config fields given by the flags ``names`` (``--mixer``, ``--steps``, ...), as given."""
+    given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    return {name: check_text(value, f"--{name}") for name, value in given.items()}
+
+
+def _overrides(args: argparse.Namespace) -> list[str]:
+    """The ``--set KEY=VALUE`` strings."""
+    return [check_text(o, "--set") for o in args.overrides]
+
+
+def add_command(
+    sub, name: str, func, *, help: str, description: str, epilog: str | None = None
+) -> argparse.ArgumentParser:
+    """Register subcommand ``name``, run by ``func(args) -> exit status``; return its parser."""
+    p = sub.add_parser(name, help=help, description=description, epilog=epilog)
+    p.set_defaults(func=func)
+    return p
 
 
 # --------------------------------------------------------------------------- argument checks
@@ -159,8 +165,10 @@ def check_finite_weights(run) -> None:
 
 
 def add_train(sub) -> None:
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "train",
+        cmd_train,
         help="train a model",
         description="Train a model with any mixer on a task. Without arguments: a small byte-level "
         "Transformer on the .py sources of Python's standard library (a few minutes on 2 CPU "
@@ -175,9 +183,10 @@ def add_train(sub) -> None:
         out_help="run folder (default runs/<task>-<mixer>-<date>-<time>); must not exist "
         "unless --resume",
     )
+    from ..mixers import available_mixers
+
     p.add_argument(
-        "--mixer",
-        help="token mixer: attention, aft-full, aft-local, aft-simple, aft-conv, aft-decay",
+        "--mixer", help=f"token mixer: {', '.join(available_mixers())} (default attention)"
     )
     p.add_argument(
         "--resume", action="store_true", help="continue the run in --out from its newest checkpoint"
@@ -194,7 +203,6 @@ def add_train(sub) -> None:
         help="under torchrun: ddp (default; a full model per process) or fsdp (FSDP2: weights, "
         "gradients and optimizer state sharded over the processes; docs/training.md)",
     )
-    p.set_defaults(func=cmd_train)
 
 
 def _default_out(cfg) -> str:
@@ -210,9 +218,10 @@ def resolve_train_config(args: argparse.Namespace):
     from ..train.config import TrainConfig, apply_overrides, load_config
 
     check_config_file(args.config)
-    overrides = _overrides(args, ("task", "mixer", "data", "out", "steps", "log", "parallel"))
+    flags = _flags(args, ("task", "mixer", "data", "out", "steps", "log", "parallel"))
+    overrides = _overrides(args)
     if not args.resume:
-        return load_config(args.config, overrides)
+        return load_config(args.config, overrides, values=flags)
     out = args.out
     if out is None and args.config is not None:
         out = load_config(args.config).out
@@ -225,9 +234,9 @@ def resolve_train_config(args: argparse.Namespace):
         )
     saved = load_config(saved_path)
     if args.config is not None:
-        cfg = load_config(args.config, overrides)
+        cfg = load_config(args.config, overrides, values=flags)
     else:
-        cfg = TrainConfig.from_dict(apply_overrides(saved.to_dict(), overrides))
+        cfg = TrainConfig.from_dict(apply_overrides(saved.to_dict(), overrides, values=flags))
     return cfg.replace(out=str(out))
 
 
@@ -276,8 +285,10 @@ def _leave_process_group() -> bool:
 
 
 def add_eval(sub) -> None:
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "eval",
+        cmd_eval,
         help="evaluate a run on its validation or test split",
         description="Print the task's metric (bpc, bpb, bits/dim or accuracy) of a run's newest "
         "checkpoint.",
@@ -297,7 +308,6 @@ def add_eval(sub) -> None:
         "--data", metavar="PATH", help="read the data from PATH instead of the run's data path"
     )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
-    p.set_defaults(func=cmd_eval)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -329,8 +339,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def add_sample(sub) -> None:
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "sample",
+        cmd_sample,
         help="stream text from a trained language model",
         description="Generate text token by token with the mixer's decoding state "
         "(KV cache for attention, the running sums for AFT).",
@@ -355,7 +367,6 @@ def add_sample(sub) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler (default 0)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
-    p.set_defaults(func=cmd_sample)
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
@@ -393,8 +404,13 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
 
 def add_compare(sub) -> None:
-    p = sub.add_parser(
+    from ..mixers import available_mixers
+    from ..train.compare import DEFAULT_MIXERS
+
+    p = add_command(
+        sub,
         "compare",
+        cmd_compare,
         help="train one model per mixer on equal budgets and tabulate",
         description="Train one model per mixer with the same size, data and budget, then write "
         "results.md (mixer, parameters, chosen lr, validation and test metric as mean ± sample "
@@ -413,7 +429,8 @@ def add_compare(sub) -> None:
     p.add_argument(
         "--mixers",
         help="comma-separated mixers, each NAME or NAME:KEY=VALUE[:KEY=VALUE] with mixer options "
-        "(e.g. aft-local:window=8); default: attention and every AFT variant",
+        f"(e.g. aft-local:window=8); NAME: {', '.join(available_mixers())}; default: "
+        f"{','.join(DEFAULT_MIXERS)}",
     )
     p.add_argument(
         "--seeds",
@@ -443,7 +460,6 @@ def add_compare(sub) -> None:
         help="after the table, print N bytes sampled from the model with the best test metric "
         "(text tasks; default 0: none)",
     )
-    p.set_defaults(func=cmd_compare)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -454,8 +470,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise UsageError(f"--seeds must be a positive integer, got {args.seeds}")
     lrs = parse_lrs(check_text(args.lrs, "--lrs")) if args.lrs is not None else None
     check_config_file(args.config)
-    overrides = _overrides(args, ("task", "data", "steps"))
-    base = load_config(args.config, overrides)
+    flags = _flags(args, ("task", "data", "steps"))
+    base = load_config(args.config, _overrides(args), values=flags)
     mixers = [m.strip() for m in args.mixers.split(",")] if args.mixers else list(DEFAULT_MIXERS)
     if not all(mixers):
         raise UsageError(
@@ -483,8 +499,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def add_plot(sub) -> None:
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "plot",
+        cmd_plot,
         help="draw loss curves and learned position biases / kernels of a run",
         description="Write loss.png (train and validation loss), and for AFT-full/local runs "
         "position_bias.png (the learned pairwise biases w, one heat map per layer), for AFT-conv "
@@ -493,7 +511,6 @@ def add_plot(sub) -> None:
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="a folder written by aftlab train")
     p.add_argument("--out", metavar="DIR", help="where the PNGs go (default RUN_DIR/plots)")
-    p.set_defaults(func=cmd_plot)
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
@@ -510,8 +527,10 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def add_bench(sub) -> None:
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "bench",
+        cmd_bench,
         help="speed and memory benchmarks of the mixers (see docs/benchmarks.md)",
         description="Benchmarks of the mixers and models (aftlab.bench).",
     )
@@ -521,7 +540,7 @@ def add_bench(sub) -> None:
         bench_cli = None
     if bench_cli is not None:
         bench_cli.add_arguments(p)
-    p.set_defaults(func=cmd_bench, _bench=bench_cli)
+    p.set_defaults(_bench=bench_cli)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 
 from ..train.errors import UsageError
+from .commands import add_command, check_out_dir
 
 
 def add_export(sub) -> None:
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "export",
+        cmd_export,
         help="write a run's language model as a Hugging Face transformers folder",
         description="Write the newest checkpoint of a language-model run as a save_pretrained "
         "folder (config.json, model.safetensors), loadable with "
@@ -19,12 +22,9 @@ def add_export(sub) -> None:
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="a folder written by aftlab train")
     p.add_argument("out_dir", metavar="OUT_DIR", help="a new (or empty) folder to write")
-    p.set_defaults(func=cmd_export)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .commands import check_out_dir
-
     check_out_dir(args.out_dir, arg="OUT_DIR")
     try:
         from ..hf import export_run

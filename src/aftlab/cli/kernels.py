@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import argparse
 
+from .commands import add_command
+
 
 def add_kernels(sub) -> None:
     """Register the ``kernels`` subcommand."""
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "kernels",
+        cmd_kernels,
         help="compile the CPU kernels now and show which implementation each op runs",
         description="Compile the fused CPU kernels into the cache (if not there yet) and print, "
         "per op, the implementation that runs on CPU tensors and why. Exit status 0 when "
         "the kernels run, 1 when the pure-PyTorch ops run instead.",
     )
     p.add_argument("--verbose", action="store_true", help="show the compiler's output")
-    p.set_defaults(func=cmd_kernels)
 
 
 def cmd_kernels(args: argparse.Namespace) -> int:

@@ -17,11 +17,11 @@ See docs/data.md for splits and options. Example::
 
 from __future__ import annotations
 
-import difflib
 import os
 from collections.abc import Callable
 from typing import Any
 
+from .._checks import did_you_mean
 from .base import IGNORE_INDEX, DataError, Task, count_correct
 from .images import ImageTask, build_cifar10, build_digits, build_digits_classify
 from .synthetic import SyntheticTask, build_copy, build_recall
@@ -59,8 +59,7 @@ def available_tasks() -> list[str]:
 
 def _check_name(name: object) -> str:
     if name not in _BUILDERS:
-        close = difflib.get_close_matches(str(name), list(_BUILDERS), n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
+        hint = did_you_mean(name, _BUILDERS)
         raise DataError(f"unknown task {name!r}; {hint}available: {', '.join(_BUILDERS)}")
     return name  # type: ignore[return-value]
 

@@ -215,8 +215,19 @@ class Task:
 
         Returns:
             ``{"input": (B, T), "target": (B, T) or (B,)}`` LongTensors.
+
+        Raises:
+            ValueError: an argument is out of range (:func:`check_batch_args`); a subclass
+                writes :meth:`_train_batch`, which gets checked arguments.
         """
-        raise NotImplementedError
+        check_batch_args(
+            f"{self.name}.train_batch",
+            step=step,
+            batch_size=batch_size,
+            rank=rank,
+            world_size=world_size,
+        )
+        return self._train_batch(step, batch_size=batch_size, rank=rank, world_size=world_size)
 
     def eval_batches(
         self, split: Split, *, batch_size: int, max_batches: int | None = None
@@ -262,6 +273,12 @@ class Task:
         return float(mean_nll_nats) / math.log(2.0)
 
     # ----------------------------------------------------------------- helpers
+    def _train_batch(
+        self, step: int, *, batch_size: int, rank: int, world_size: int
+    ) -> dict[str, torch.Tensor]:
+        """:meth:`train_batch` for arguments already checked: what a subclass writes."""
+        raise NotImplementedError
+
     def _check_split(self, split: str) -> None:
         if split not in ("val", "test"):
             raise ValueError(
@@ -278,6 +295,18 @@ def check_eval_args(where: str, *, batch_size: int, max_batches: int | None) -> 
     check_positive_int(where, "batch_size", batch_size)
     if max_batches is not None:
         check_positive_int(where, "max_batches", max_batches)
+
+
+def batch_slices(n: int, *, batch_size: int, max_batches: int | None) -> Iterator[slice]:
+    """Slices ``[i, i + batch_size)`` covering rows ``0 .. n - 1`` in order, for eval batches.
+
+    Args:
+        n: number of rows of the split.
+        batch_size: rows per batch ``B``; the last slice may be shorter.
+        max_batches: stop after this many slices (``None``: all ``ceil(n / B)``).
+    """
+    stop = n if max_batches is None else min(n, max_batches * batch_size)
+    return (slice(i, i + batch_size) for i in range(0, stop, batch_size))
 
 
 def epoch_indices(n: int, *, seed: int, start: int, count: int) -> np.ndarray:

@@ -24,7 +24,7 @@ import torch
 from .base import (
     DataError,
     Task,
-    check_batch_args,
+    batch_slices,
     check_eval_args,
     epoch_indices,
     shard,
@@ -118,16 +118,9 @@ class ImageTask(Task):
         inp[:, 1:] = x[:, :-1]
         return {"input": inp, "target": x}
 
-    def train_batch(
-        self, step: int, *, batch_size: int, rank: int = 0, world_size: int = 1
+    def _train_batch(
+        self, step: int, *, batch_size: int, rank: int, world_size: int
     ) -> dict[str, torch.Tensor]:
-        check_batch_args(
-            f"{self.name}.train_batch",
-            step=step,
-            batch_size=batch_size,
-            rank=rank,
-            world_size=world_size,
-        )
         g = batch_size * world_size
         ids = epoch_indices(len(self.images["train"]), seed=self.seed, start=step * g, count=g)
         ids = shard(ids, batch_size=batch_size, rank=rank)
@@ -139,10 +132,8 @@ class ImageTask(Task):
         self._check_split(split)
         check_eval_args(f"{self.name}.eval_batches", batch_size=batch_size, max_batches=max_batches)
         images, labels = self.images[split], self.labels[split]
-        for b, i in enumerate(range(0, len(images), batch_size)):
-            if max_batches is not None and b >= max_batches:
-                return
-            yield self._batch(images[i : i + batch_size], labels[i : i + batch_size])
+        for s in batch_slices(len(images), batch_size=batch_size, max_batches=max_batches):
+            yield self._batch(images[s], labels[s])
 
     def decode_image(self, tokens: torch.Tensor | np.ndarray) -> np.ndarray:
         """Pixel values ``(..., D)`` as ``uint8`` images ``(..., *image_shape)``.

@@ -20,7 +20,7 @@ from .base import (
     IGNORE_INDEX,
     DataError,
     Task,
-    check_batch_args,
+    batch_slices,
     check_eval_args,
     shard,
     step_rng,
@@ -168,16 +168,9 @@ class SyntheticTask(Task):
         out.update(self.details)
         return out
 
-    def train_batch(
-        self, step: int, *, batch_size: int, rank: int = 0, world_size: int = 1
+    def _train_batch(
+        self, step: int, *, batch_size: int, rank: int, world_size: int
     ) -> dict[str, torch.Tensor]:
-        check_batch_args(
-            f"{self.name}.train_batch",
-            step=step,
-            batch_size=batch_size,
-            rank=rank,
-            world_size=world_size,
-        )
         inp, target = self.generate(step_rng(self.seed, step, 2), batch_size * world_size)
         return {
             "input": torch.from_numpy(shard(inp, batch_size=batch_size, rank=rank).copy()),
@@ -196,12 +189,10 @@ class SyntheticTask(Task):
     ) -> Iterator[dict[str, torch.Tensor]]:
         check_eval_args(f"{self.name}.eval_batches", batch_size=batch_size, max_batches=max_batches)
         inp, target = self.eval_set(split)
-        for b, i in enumerate(range(0, len(inp), batch_size)):
-            if max_batches is not None and b >= max_batches:
-                return
+        for s in batch_slices(len(inp), batch_size=batch_size, max_batches=max_batches):
             yield {
-                "input": torch.from_numpy(inp[i : i + batch_size].copy()),
-                "target": torch.from_numpy(target[i : i + batch_size].copy()),
+                "input": torch.from_numpy(inp[s].copy()),
+                "target": torch.from_numpy(target[s].copy()),
             }
 
 

@@ -39,7 +39,7 @@ from .base import (
     IGNORE_INDEX,
     DataError,
     Task,
-    check_batch_args,
+    batch_slices,
     check_eval_args,
     check_input_path,
     shard,
@@ -122,16 +122,9 @@ class ByteLMTask(Task):
         out.update(self.details)
         return out
 
-    def train_batch(
-        self, step: int, *, batch_size: int, rank: int = 0, world_size: int = 1
+    def _train_batch(
+        self, step: int, *, batch_size: int, rank: int, world_size: int
     ) -> dict[str, torch.Tensor]:
-        check_batch_args(
-            f"{self.name}.train_batch",
-            step=step,
-            batch_size=batch_size,
-            rank=rank,
-            world_size=world_size,
-        )
         x = self.splits["train"]
         T = self.seq_len
         offsets = step_rng(self.seed, step, 1).integers(0, len(x) - T, size=batch_size * world_size)
@@ -162,10 +155,8 @@ class ByteLMTask(Task):
         check_eval_args(f"{self.name}.eval_batches", batch_size=batch_size, max_batches=max_batches)
         x, T = self.splits[split], self.seq_len
         windows = self.eval_windows(split)
-        for b, i in enumerate(range(0, len(windows), batch_size)):
-            if max_batches is not None and b >= max_batches:
-                return
-            chunk = windows[i : i + batch_size]
+        for s in batch_slices(len(windows), batch_size=batch_size, max_batches=max_batches):
+            chunk = windows[s]
             rows = torch.from_numpy(np.stack([x[s : s + T + 1] for s, _ in chunk]).astype(np.int64))
             target = rows[:, 1:].clone()
             for j, (_, first) in enumerate(chunk):
@@ -390,6 +381,16 @@ def build_text(
         _fractions("text", opts["split_fractions"]) if opts["split_fractions"] else (90.0, 5.0, 5.0)
     )
     cache = cache_dir(opts["cache_dir"])
+    splits, source, details = _text_splits(data, cache=cache, fractions=fractions)
+    return ByteLMTask(
+        "text", splits, seq_len=seq_len, seed=seed, metric="bpb", source=source, details=details
+    )
+
+
+def _text_splits(
+    data: str | os.PathLike | None, *, cache: Path, fractions: tuple[float, float, float]
+) -> tuple[dict[str, np.ndarray], str, dict[str, Any]]:
+    """``(splits, source, details)`` of the ``text`` task: stdlib sources, a folder or a file."""
     if data is None:
         root, files = stdlib_files()
         if len(files) < 3:
@@ -400,15 +401,7 @@ def build_text(
         tag = f"stdlib-py{sys.version_info.major}.{sys.version_info.minor}"
         splits, details = _folder_splits(root, files, tag=tag, cache=cache, fractions=fractions)
         source = f"Python {sys.version_info.major}.{sys.version_info.minor} standard library (.py)"
-        return ByteLMTask(
-            "text",
-            splits,
-            seq_len=seq_len,
-            seed=seed,
-            metric="bpb",
-            source=source,
-            details={**details, "root": str(root)},
-        )
+        return splits, source, {**details, "root": str(root)}
     path = _existing(data, "text")
     if path.is_dir():
         files = list_text_files(path)
@@ -418,15 +411,7 @@ def build_text(
                 "file or a folder of them"
             )
         splits, details = _folder_splits(path, files, tag="text", cache=cache, fractions=fractions)
-        return ByteLMTask(
-            "text",
-            splits,
-            seq_len=seq_len,
-            seed=seed,
-            metric="bpb",
-            source=str(path),
-            details=details,
-        )
+        return splits, str(path), details
     if not _looks_like_text(_sniff(path)):
         raise DataError(
             f"{path} does not look like UTF-8 text (NUL bytes or invalid UTF-8 in its first "
@@ -435,15 +420,7 @@ def build_text(
     mm = np.memmap(path, dtype=np.uint8, mode="r")
     train_end, val_end = _position_split(len(mm), fractions)
     splits = {"train": mm[:train_end], "val": mm[train_end:val_end], "test": mm[val_end:]}
-    return ByteLMTask(
-        "text",
-        splits,
-        seq_len=seq_len,
-        seed=seed,
-        metric="bpb",
-        source=str(path),
-        details={"split_rule": "by position"},
-    )
+    return splits, str(path), {"split_rule": "by position"}
 
 
 def _existing(data: str | os.PathLike | None, task: str) -> Path:

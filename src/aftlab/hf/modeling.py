@@ -32,7 +32,8 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.utils import ModelOutput
 
-from ..models.transformer import DecodingCache, TransformerLM, _check_tokens
+from ..models.generation import DecodingCache, check_tokens
+from ..models.transformer import TransformerLM
 from .configuration import AftlabConfig
 
 __all__ = ["AftlabForCausalLM", "AftlabCausalLMOutput"]
@@ -177,7 +178,7 @@ class AftlabForCausalLM(PreTrainedModel, GenerationMixin):
                     "length without padding"
                 )
             if state is None:
-                _check_tokens(
+                check_tokens(
                     where, "input_ids", input_ids, ndim=2, vocab_size=lm.config.vocab_size
                 )
                 bb = lm.backbone
@@ -189,7 +190,7 @@ class AftlabForCausalLM(PreTrainedModel, GenerationMixin):
                         f"{where}.forward: 'cache' must be the DecodingCache this model "
                         f"returned, got {type(state).__name__}"
                     )
-                _check_tokens(
+                check_tokens(
                     where, "input_ids", input_ids, ndim=2, vocab_size=lm.config.vocab_size
                 )
                 logits = torch.stack([lm.step(t, state) for t in input_ids.unbind(1)], dim=1)

@@ -34,16 +34,7 @@ def _band(q, k, v, w, lo: int, hi: int, causal: bool, padding_mask):
     return y.to(out_dtype)
 
 
-def local(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    w_band: torch.Tensor,
-    window: int,
-    *,
-    causal: bool = False,
-    padding_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
+def local(q, k, v, w_band, window: int, *, causal: bool = False, padding_mask=None):
     """Kernel of :func:`aftlab.ops.aft_local.aft_local_band`: the same arguments, shapes and
     result (inputs already validated there); ``window == 0`` runs as AFT-simple."""
     T = q.shape[1]
@@ -57,15 +48,7 @@ def local(
     return _band(q, k, v, w, lo, hi, bool(causal), padding_mask)
 
 
-def conv1d(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    w: torch.Tensor,
-    *,
-    causal: bool = False,
-    padding_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
+def conv1d(q, k, v, w, *, causal: bool = False, padding_mask=None):
     """Kernel of 1-D :func:`aftlab.ops.aft_conv.aft_conv`: the same arguments, shapes and
     result (inputs already validated there): ``q, v (B, T, h, c)``, ``k (B, T, h, 1 or c)``,
     ``w (h, s)``."""

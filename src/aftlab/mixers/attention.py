@@ -8,8 +8,9 @@ Both compute, for each head ``h`` with per-head width ``m`` (batch-first, ``x: (
 
 with ``s = 1/sqrt(m)`` when ``scaled`` (else ``s = 1``, the definition's form) and ``M`` the
 additive mask: ``-inf`` where key ``t'`` is padding or (causal) ``t' > t``. A query with no
-allowed key outputs 0. With ``rotary``, ``Q_h`` and ``K_h`` are rotated by their positions
-before the product (RoPE, :func:`apply_rotary`), so ``A_h`` depends only on ``t - t'``.
+allowed key outputs 0. A NaN or inf reaches exactly the outputs that see it, never an earlier
+one (:func:`_isolate_nonfinite`). With ``rotary``, ``Q_h`` and ``K_h`` are rotated by their
+positions before the product (RoPE, :func:`apply_rotary`), so ``A_h`` depends only on ``t - t'``.
 
 ``"attention"`` calls :func:`torch.nn.functional.scaled_dot_product_attention` (flash /
 memory-efficient kernels where available); ``"attention-naive"`` is the same module computing
@@ -19,6 +20,7 @@ memory-efficient kernels where available); ``"attention-naive"`` is the same mod
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +29,9 @@ from torch import nn
 from .._checks import check_positive_int
 from .base import SequenceMixer, mark_residual_projection
 from .registry import register_mixer
+
+if TYPE_CHECKING:
+    from ..models.config import TransformerConfig
 
 __all__ = [
     "MultiHeadAttention",
@@ -73,6 +78,53 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def _isolate_nonfinite(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    padding_mask: torch.Tensor | None,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keep a NaN or inf where the attention formula puts it, and nowhere else.
+
+    The rule: no value, NaN included, flows from a position into an output that cannot see it.
+    The formula gives output ``i`` NaN exactly when its query or a key or value it attends to is
+    not finite. A dense product does worse: a masked score ``-inf + NaN`` and a zero weight
+    ``0 * NaN`` are NaN, so a non-finite ``k_j`` or ``v_j`` reaches every query, earlier ones
+    included (and the gradients of the earlier positions too). So, per (batch, head)::
+
+        qbad_t  = not all(isfinite(q_t))                          (B, H, T)
+        kvbad_t = not (all(isfinite(k_t)) and all(isfinite(v_t)))
+        nan_i   = qbad_i  or  any_{t in keys(i)} kvbad_t
+
+    with ``keys(i)`` the keys query ``i`` may see: real (``padding_mask`` True) and, when causal,
+    ``t <= i`` (a cumulative any). Attention then runs on ``q, k, v`` with the bad rows set to 0
+    (``torch.where``: no ``0 * NaN``) and the caller sets the outputs ``nan_i`` to NaN: every
+    other output, and the gradient it sends to ``q, k, v``, is exactly what it would be without
+    the bad rows (a parameter's gradient, a sum over all positions, still sees them). A
+    non-finite key or value at a padded position changes no real query's output, as any other
+    padded value. O(B H T m) elementwise work, no host sync.
+
+    Args:
+        q, k, v: ``(B, H, T, m)``.
+        padding_mask: bool ``(B, T)``, True for real tokens, or None.
+        causal: query ``i`` sees keys ``t <= i`` only.
+
+    Returns:
+        ``(q, k, v, nan)``: the inputs with their non-finite rows zeroed, and bool
+        ``nan (B, H, T, 1)``, the outputs the formula makes NaN.
+    """
+    # (t * 0).sum(-1) is 0 for a finite row and NaN otherwise (0 * inf = NaN): exact, and one
+    # product and one sum where isfinite(t).all(-1) makes five passes
+    qbad, kbad, vbad = ((t.detach() * 0).sum(dim=-1).isnan() for t in (q, k, v))
+    kvbad = kbad | vbad
+    seen = kvbad if padding_mask is None else kvbad & padding_mask[:, None, :]
+    seen = seen.cumsum(dim=-1) > 0 if causal else seen.any(dim=-1, keepdim=True)
+    q = torch.where(qbad[..., None], 0.0, q)
+    k, v = (torch.where(kvbad[..., None], 0.0, t) for t in (k, v))
+    return q, k, v, (qbad | seen)[..., None]
 
 
 @dataclass
@@ -152,6 +204,19 @@ class MultiHeadAttention(SequenceMixer):
         >>> attn(torch.randn(2, 5, 32)).shape
         torch.Size([2, 5, 32])
     """
+
+    parallel_prefill = True
+
+    @classmethod
+    def from_config(cls, config: TransformerConfig, *, layer_idx: int = 0) -> MultiHeadAttention:
+        """:meth:`SequenceMixer.from_config` plus the config's attention fields: ``head_dim``
+        (``config.resolved_head_dim``), ``scaled`` and ``rotary`` (``positional="rotary"``)."""
+        return cls._from_config(
+            config,
+            head_dim=config.resolved_head_dim,
+            scaled=config.scaled,
+            rotary=config.positional == "rotary",
+        )
 
     def __init__(
         self,
@@ -252,12 +317,8 @@ class MultiHeadAttention(SequenceMixer):
 
     # ------------------------------------------------------------------ interface
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        *,
-        padding_mask: torch.Tensor | None = None,
-        return_state: bool = False,
+    def _forward(
+        self, x: torch.Tensor, padding_mask: torch.Tensor | None, return_state: bool
     ) -> torch.Tensor | tuple[torch.Tensor, KVCache]:
         """Attend over ``x: (B, T, d)``; padded keys (``padding_mask`` False) are ignored.
 
@@ -269,36 +330,27 @@ class MultiHeadAttention(SequenceMixer):
 
         Returns:
             ``(B, T, d)`` (and the cache). A query whose allowed keys are all padding outputs
-            zeros.
+            zeros; one that sees a non-finite query, key or value outputs NaN, and only those
+            (:func:`_isolate_nonfinite`).
         """
-        x, padding_mask = self._check_input(x, padding_mask, return_state=return_state)
         q, k, v = self._project(x, 0)
         allowed, has_key = self._masks(x.shape[1], padding_mask, x.device)
-        out = self._output(self._attend(q, k, v, allowed, self.causal))
+        # a NaN or inf reaches only the outputs that see it (the cache keeps it, as stepping does)
+        qf, kf, vf, nan = _isolate_nonfinite(q, k, v, padding_mask, self.causal)
+        y = torch.where(nan, float("nan"), self._attend(qf, kf, vf, allowed, self.causal))
+        out = self._output(y)
         if has_key is not None:
             out = out.masked_fill(~has_key[:, 0], 0.0)
         return (out, KVCache.from_prefix(k, v)) if return_state else out
 
-    def init_state(
-        self,
-        batch_size: int,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
+    def _init_state(
+        self, batch_size: int, device: torch.device | str, dtype: torch.dtype
     ) -> KVCache:
-        """An empty :class:`KVCache` for ``batch_size`` sequences (causal attention only)."""
-        where = type(self).__name__
-        if not self.causal:
-            raise RuntimeError(
-                f"{where}: init_state() needs a causal mixer; this one has causal=False"
-            )
-        check_positive_int(where, "batch_size", batch_size)
-        w = self.qkv.weight
-        shape = (batch_size, self.n_heads, 16, self.head_dim)
-        k = torch.zeros(shape, device=device or w.device, dtype=dtype or w.dtype)
+        """An empty :class:`KVCache` for ``batch_size`` sequences."""
+        k = torch.zeros(batch_size, self.n_heads, 16, self.head_dim, device=device, dtype=dtype)
         return KVCache(k=k, v=torch.zeros_like(k), length=0)
 
-    def step(self, x: torch.Tensor, state: KVCache) -> tuple[torch.Tensor, KVCache]:
+    def _step(self, x: torch.Tensor, state: KVCache) -> tuple[torch.Tensor, KVCache]:
         """Attend from one token ``x: (B, d)`` at position ``state.length`` to all tokens so far.
 
         The token's key and value are appended to ``state`` (in place).
@@ -306,7 +358,6 @@ class MultiHeadAttention(SequenceMixer):
         Returns:
             ``(y, state)`` with ``y: (B, d)``.
         """
-        x = self._check_step_input(x)
         if not isinstance(state, KVCache):
             raise TypeError(
                 f"{type(self).__name__}: 'state' must be a KVCache, got {type(state).__name__}"
@@ -335,14 +386,7 @@ class NaiveMultiHeadAttention(MultiHeadAttention):
     ``y_h = A_h V_h``; same parameters, options and state as ``"attention"``.
     """
 
-    def _attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        allowed: torch.Tensor | None,
-        causal: bool,
-    ) -> torch.Tensor:
+    def _attend(self, q, k, v, allowed, causal):  # shapes as in MultiHeadAttention._attend
         scores = torch.einsum("bhtm,bhsm->bhts", q, k) * self.scale  # s Q K^T: (B, H, T, S)
         if causal:
             T, S = scores.shape[-2:]

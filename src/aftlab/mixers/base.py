@@ -15,8 +15,12 @@ Conventions:
     * A causal mixer also prefills: ``y, state = prefill(x)`` runs a whole prompt
       ``x: (B, T, d_model)`` and returns ``forward(x)`` with the state after its ``T`` tokens
       (equal, within float tolerance, to ``T`` calls of ``step``). Every built-in mixer does this
-      in one parallel pass, ``forward(x, return_state=True)``; a mixer whose ``forward`` has no
-      ``return_state`` keyword is prefilled by ``T`` calls of ``step``.
+      in one parallel pass (``parallel_prefill``); any other is prefilled by ``T`` calls of
+      ``step``.
+    * A subclass implements hooks; the public methods validate, fill defaults and call them:
+      ``forward`` -> :meth:`SequenceMixer._forward`, ``init_state`` ->
+      :meth:`SequenceMixer._init_state`, ``step`` -> :meth:`SequenceMixer._step`. A model builds
+      its mixers with :meth:`SequenceMixer.from_config`.
     * Initialisation: a model built on mixers (:mod:`aftlab.models`) first initialises every
       ``nn.Linear`` the GPT-2 way (weights ``N(0, 0.02^2)``, biases 0; the linear layers marked
       with :func:`mark_residual_projection` ``N(0, (0.02 / sqrt(2 N))^2)``), then calls each
@@ -26,20 +30,40 @@ Conventions:
 
 from __future__ import annotations
 
-import inspect
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
 from .._checks import check_padding_mask, check_positive_int, check_tensor
 
-__all__ = ["SequenceMixer", "MixerState", "mark_residual_projection", "is_residual_projection"]
+if TYPE_CHECKING:
+    from ..models.config import TransformerConfig
+
+__all__ = [
+    "SequenceMixer",
+    "MixerState",
+    "COMMON_ARGS",
+    "mark_residual_projection",
+    "is_residual_projection",
+]
 
 MixerState = Any  # each mixer defines its own state type (a small dataclass of tensors)
 
 #: the attribute :func:`mark_residual_projection` sets on a layer
 _RESIDUAL = "residual_projection"
+
+#: the constructor arguments every mixer takes; :meth:`SequenceMixer.from_config` fills them from
+#: the config fields of the same names
+COMMON_ARGS = ("d_model", "n_heads", "causal", "max_seq_len", "dropout", "bias")
+
+#: config fields only some mixers honour: how each shows and whether the config asks for it
+#: (a value a mixer without the option could not deliver)
+_CONFIG_OPTIONS = {
+    "head_dim": lambda c: (f"head_dim={c.head_dim}", c.n_heads * c.resolved_head_dim != c.d_model),
+    "scaled": lambda c: ("scaled=False", not c.scaled),
+    "rotary": lambda c: ("positional='rotary'", c.positional == "rotary"),
+}
 
 
 def mark_residual_projection(layer: nn.Linear) -> nn.Linear:
@@ -63,9 +87,12 @@ def is_residual_projection(module: nn.Module) -> bool:
 class SequenceMixer(nn.Module):
     """Base class of token mixers.
 
-    Subclasses implement :meth:`forward`, and causal ones :meth:`init_state` and :meth:`step`.
-    Every subclass accepts the common keyword-only constructor arguments below (and may ignore
-    those it has no use for) plus its own options.
+    Subclasses implement :meth:`_forward`, and causal ones :meth:`_init_state` and :meth:`_step`;
+    the public :meth:`forward`, :meth:`init_state`, :meth:`step` and :meth:`prefill` validate
+    their arguments and call them, so every mixer has the same guards. Every subclass accepts
+    the common keyword-only constructor arguments below (and may ignore those it has no use
+    for) plus its own, typed keyword-only options; it passes the common ones on as
+    ``**common``: ``def __init__(self, *, window: int = 32, **common)``.
 
     Args:
         d_model: model width ``d``.
@@ -82,6 +109,12 @@ class SequenceMixer(nn.Module):
     #: True for mixers that cannot see past ``max_seq_len`` positions, forward or decoding
     #: (a ``T_max x T_max`` position bias); callers such as ``generate`` check it up front.
     length_limited: ClassVar[bool] = False
+    #: True for mixers whose :meth:`_forward` returns the decoding state with
+    #: ``return_state=True`` (one parallel prefill); the others are prefilled step by step
+    parallel_prefill: ClassVar[bool] = False
+    #: options a task may fill when the config does not set them (``aft-conv``: ``("grid",)``,
+    #: the image shape of a pixel task)
+    options_from_task: ClassVar[tuple[str, ...]] = ()
 
     def __init__(
         self,
@@ -105,6 +138,57 @@ class SequenceMixer(nn.Module):
         self.max_seq_len = max_seq_len
         self.dropout_p = float(dropout)
         self.bias = bool(bias)
+
+    # ----------------------------------------------------------------- construction
+    @classmethod
+    def from_config(cls, config: TransformerConfig, *, layer_idx: int = 0) -> SequenceMixer:
+        """Build this mixer for block ``layer_idx`` of a model configured by ``config``.
+
+        The common arguments (:data:`COMMON_ARGS`) come from the config fields of the same
+        names, the mixer's own from ``config.mixer_options``. A mixer overrides this only to
+        add what it takes from the rest of the config, as ``cls._from_config(config, **options)``
+        (attention: ``head_dim``, ``scaled``, ``rotary``; ``aft-decay``: ``layer_idx``,
+        ``n_layers``).
+
+        The config's attention fields reach only a mixer that takes them; with any other,
+        ``positional="rotary"``, ``scaled=False`` or a ``head_dim`` other than
+        ``d_model / n_heads`` ask for what it cannot do.
+
+        Raises:
+            ValueError: ``mixer_options`` repeating an argument the config sets; an attention
+                field the mixer does not take; an option the mixer does not know.
+        """
+        return cls._from_config(config)
+
+    @classmethod
+    def _from_config(cls, config: TransformerConfig, **options: Any) -> SequenceMixer:
+        """:meth:`from_config` with ``options`` taken from the config by an override."""
+        own = dict(config.mixer_options)
+        clash = sorted(set(own) & {*COMMON_ARGS, *_CONFIG_OPTIONS, *options})
+        if clash:
+            raise ValueError(
+                f"TransformerConfig: mixer_options {clash} are TransformerConfig fields "
+                "(or derived from 'positional'); set them there, not in mixer_options"
+            )
+        for name, asked in _CONFIG_OPTIONS.items():
+            shown, needed = asked(config)
+            if needed and name not in options:
+                raise ValueError(
+                    f"TransformerConfig: {shown} needs a mixer that accepts '{name}' "
+                    f"(e.g. 'attention'); mixer {cls.name or cls.__name__!r} does not"
+                )
+        common = {name: getattr(config, name) for name in COMMON_ARGS}
+        return cls._create(**common, **own, **options)
+
+    @classmethod
+    def _create(cls, **kwargs: Any) -> SequenceMixer:
+        """``cls(**kwargs)``; an option the mixer does not know is a ``ValueError`` naming it."""
+        try:
+            return cls(**kwargs)
+        except TypeError as e:
+            if "unexpected keyword argument" in str(e):
+                raise ValueError(f"mixer {cls.name or cls.__name__!r}: {e}") from None
+            raise
 
     # ----------------------------------------------------------------- initialisation
     def reset_parameters(self) -> None:
@@ -159,6 +243,14 @@ class SequenceMixer(nn.Module):
             raise RuntimeError(f"{where}: step() needs a causal mixer; this one has causal=False")
         return check_tensor(where, "x", x, shape=(None, self.d_model), floating=True)
 
+    def _check_position(self, t: int) -> None:
+        """A length-limited mixer decodes positions ``t < max_seq_len`` only."""
+        if self.length_limited and t >= self.max_seq_len:
+            raise ValueError(
+                f"{type(self).__name__}: position {t} exceeds max_seq_len (T_max) = "
+                f"{self.max_seq_len}"
+            )
+
     # ----------------------------------------------------------------- interface
     def forward(
         self,
@@ -170,19 +262,22 @@ class SequenceMixer(nn.Module):
         """Mix ``x: (B, T, d_model)`` over time; returns ``(B, T, d_model)``.
 
         With ``return_state=True`` (causal mixers, no ``padding_mask``, ``T >= 1``) it returns
-        ``(y, state)``: the same ``y`` and the decoding state after the ``T`` tokens, taken from
-        the same parallel pass. A subclass may leave ``return_state`` out of its signature;
-        :meth:`prefill` then steps through the prompt instead.
+        ``(y, state)``: the same ``y`` and the decoding state after the ``T`` tokens, from the
+        same parallel pass when the mixer has one (``parallel_prefill``), else from ``T`` calls
+        of :meth:`step`. Validates the arguments, then calls :meth:`_forward`.
         """
-        raise NotImplementedError
+        x, padding_mask = self._check_input(x, padding_mask, return_state=return_state)
+        if return_state and not self.parallel_prefill:
+            return self._prefill_by_steps(x)
+        return self._forward(x, padding_mask, return_state)
 
     def prefill(self, x: torch.Tensor) -> tuple[torch.Tensor, MixerState]:
         """Run a prompt ``x: (B, T, d_model)``; return ``(forward(x), state after its T tokens)``.
 
         The state equals the one of ``T`` calls of :meth:`step` from ``init_state(B)``, and
         decoding continues from it at position ``T``. One parallel pass,
-        ``forward(x, return_state=True)``, when the mixer's ``forward`` takes ``return_state``
-        (every built-in mixer); otherwise, and for ``T = 0``, ``T`` calls of :meth:`step`.
+        ``forward(x, return_state=True)``, for a mixer with ``parallel_prefill`` (every
+        built-in one); otherwise, and for ``T = 0``, ``T`` calls of :meth:`step`.
         """
         where = type(self).__name__
         if not self.causal:
@@ -190,8 +285,12 @@ class SequenceMixer(nn.Module):
                 f"{where}: prefill() needs a causal mixer; this one has causal=False"
             )
         check_tensor(where, "x", x, shape=(None, None, self.d_model), floating=True)
-        if x.shape[1] and "return_state" in inspect.signature(self.forward).parameters:
+        if x.shape[1] and self.parallel_prefill:
             return self(x, return_state=True)
+        return self._prefill_by_steps(x)
+
+    def _prefill_by_steps(self, x: torch.Tensor) -> tuple[torch.Tensor, MixerState]:
+        """:meth:`prefill` as ``T`` calls of :meth:`step` on a validated ``x: (B, T, d)``."""
         state = self.init_state(x.shape[0], device=x.device, dtype=x.dtype)
         ys = []
         for t in range(x.shape[1]):
@@ -206,15 +305,56 @@ class SequenceMixer(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> MixerState:
-        """Return the empty decoding state for ``batch_size`` sequences (causal mixers only)."""
-        raise NotImplementedError(f"{type(self).__name__} does not support incremental decoding")
+        """Return the empty decoding state for ``batch_size`` sequences (causal mixers only).
+
+        ``device`` and ``dtype`` default to those of the module's parameters (CPU and the
+        default dtype for a mixer without any); then :meth:`_init_state` builds the state.
+
+        Raises:
+            RuntimeError: the mixer is not causal.
+            ValueError: ``batch_size`` is not a positive int.
+        """
+        where = type(self).__name__
+        if not self.causal:
+            raise RuntimeError(
+                f"{where}: init_state() needs a causal mixer; this one has causal=False"
+            )
+        check_positive_int(where, "batch_size", batch_size)
+        p = next(self.parameters(), None)
+        if device is None:
+            device = torch.device("cpu") if p is None else p.device
+        if dtype is None:
+            dtype = torch.get_default_dtype() if p is None else p.dtype
+        return self._init_state(batch_size, device, dtype)
 
     def step(self, x: torch.Tensor, state: MixerState) -> tuple[torch.Tensor, MixerState]:
         """Process one token ``x: (B, d_model)`` at the state's position; return ``(y, state)``.
 
         ``y`` has shape ``(B, d_model)`` and equals row ``t`` of :meth:`forward` on the
         sequence so far. The returned state may be the same object, updated in place.
+        Validates ``x`` (and that the mixer is causal), then calls :meth:`_step`.
         """
+        return self._step(self._check_step_input(x), state)
+
+    # ----------------------------------------------------------------- hooks
+    def _forward(
+        self, x: torch.Tensor, padding_mask: torch.Tensor | None, return_state: bool
+    ) -> torch.Tensor | tuple[torch.Tensor, MixerState]:
+        """The mixer itself, on validated arguments (see :meth:`forward`).
+
+        ``return_state`` is True only for a causal mixer with ``parallel_prefill``; it then
+        returns ``(y, state)``.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not implement _forward")
+
+    def _init_state(
+        self, batch_size: int, device: torch.device | str, dtype: torch.dtype
+    ) -> MixerState:
+        """The empty state for ``batch_size`` sequences, on ``device``, for inputs of ``dtype``."""
+        raise NotImplementedError(f"{type(self).__name__} does not support incremental decoding")
+
+    def _step(self, x: torch.Tensor, state: MixerState) -> tuple[torch.Tensor, MixerState]:
+        """One validated token ``x: (B, d_model)`` (see :meth:`step`)."""
         raise NotImplementedError(f"{type(self).__name__} does not support incremental decoding")
 
     def extra_repr(self) -> str:

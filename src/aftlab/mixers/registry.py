@@ -7,7 +7,13 @@ from typing import Any
 
 from .base import SequenceMixer
 
-__all__ = ["register_mixer", "get_mixer_class", "build_mixer", "available_mixers"]
+__all__ = [
+    "register_mixer",
+    "unregister_mixer",
+    "get_mixer_class",
+    "build_mixer",
+    "available_mixers",
+]
 
 _MIXERS: dict[str, type[SequenceMixer]] = {}
 
@@ -42,35 +48,35 @@ def get_mixer_class(name: str) -> type[SequenceMixer]:
         raise ValueError(f"unknown mixer {name!r}; expected one of {available_mixers()}") from None
 
 
-def build_mixer(
-    name: str,
-    *,
-    d_model: int,
-    n_heads: int = 1,
-    causal: bool = False,
-    max_seq_len: int | None = None,
-    dropout: float = 0.0,
-    bias: bool = True,
-    **options: Any,
-) -> SequenceMixer:
-    """Build the mixer ``name`` with the common arguments and its own ``options``.
+def unregister_mixer(name: str) -> type[SequenceMixer]:
+    """Remove ``name`` from the registry and return its class (e.g. a mixer a test registered).
+
+    Example:
+        >>> from aftlab.mixers import SequenceMixer, register_mixer, unregister_mixer
+        >>> @register_mixer("doc-identity")
+        ... class Identity(SequenceMixer):
+        ...     def _forward(self, x, padding_mask, return_state):
+        ...         return x
+        >>> unregister_mixer("doc-identity") is Identity
+        True
+    """
+    get_mixer_class(name)  # ValueError naming the known mixers
+    return _MIXERS.pop(name)
+
+
+def build_mixer(name: str, **kwargs: Any) -> SequenceMixer:
+    """Build the mixer ``name`` from the common arguments and its own options.
+
+    Args:
+        name: a registered name (:func:`available_mixers`).
+        **kwargs: the common arguments (``d_model``, ``n_heads``, ``causal``, ``max_seq_len``,
+            ``dropout``, ``bias``: see :class:`~aftlab.mixers.SequenceMixer`) and the mixer's
+            own options; an option the mixer does not know is a ``ValueError`` naming it.
+
+    A model builds its mixers from its config instead: :meth:`SequenceMixer.from_config`.
 
     Example:
         >>> from aftlab.mixers import build_mixer
         >>> m = build_mixer("attention", d_model=64, n_heads=4, causal=True)
     """
-    cls = get_mixer_class(name)
-    try:
-        return cls(
-            d_model=d_model,
-            n_heads=n_heads,
-            causal=causal,
-            max_seq_len=max_seq_len,
-            dropout=dropout,
-            bias=bias,
-            **options,
-        )
-    except TypeError as e:
-        if "unexpected keyword argument" in str(e):
-            raise ValueError(f"mixer {name!r}: {e}") from None
-        raise
+    return get_mixer_class(name)._create(**kwargs)

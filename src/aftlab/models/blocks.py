@@ -2,76 +2,17 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
 
 from .._checks import check_tensor
-from ..mixers import MixerState, SequenceMixer, build_mixer, get_mixer_class
+from ..mixers import MixerState, SequenceMixer, get_mixer_class
 from ..mixers.base import mark_residual_projection
 from .config import TransformerConfig
 
-__all__ = ["FeedForward", "TransformerBlock", "mixer_options"]
-
-_COMMON = ("d_model", "n_heads", "causal", "max_seq_len", "dropout", "bias")
-
-
-def mixer_options(config: TransformerConfig, *, layer_idx: int = 0) -> dict[str, Any]:
-    """The mixer's own keyword options for ``config``: ``mixer_options`` plus attention options.
-
-    Mixers whose initialisation depends on depth (``aft-decay``: RWKV's spread of decays) also
-    get ``layer_idx`` and ``n_layers`` when their constructor accepts them.
-
-    The config-level attention options reach only mixers whose constructor accepts them by name:
-    ``head_dim`` (``config.head_dim``), ``scaled`` (``config.scaled``) and ``rotary``
-    (``config.positional == "rotary"``). A mixer that does not accept one gets nothing, unless the
-    config asks for something it cannot do: ``positional="rotary"``, ``scaled=False`` or a
-    ``head_dim`` other than ``d_model // n_heads`` then raise ``ValueError`` naming the option
-    and the mixer.
-
-    Raises:
-        ValueError: unknown mixer; ``mixer_options`` repeating a config field; an attention
-            option the mixer does not accept.
-    """
-    cls = get_mixer_class(config.mixer)  # ValueError naming the known mixers
-    opts = dict(config.mixer_options)
-    clash = sorted(set(opts) & {*_COMMON, "head_dim", "scaled", "rotary", "layer_idx", "n_layers"})
-    if clash:
-        raise ValueError(
-            f"TransformerConfig: mixer_options {clash} are TransformerConfig fields "
-            "(or derived from 'positional'); set them there, not in mixer_options"
-        )
-    accepted = inspect.signature(cls).parameters
-    default_head_dim = (
-        config.d_model // config.n_heads if config.d_model % config.n_heads == 0 else None
-    )
-    wanted = {
-        "head_dim": (
-            config.head_dim,
-            config.head_dim in (None, default_head_dim),
-            f"head_dim={config.head_dim}",
-        ),
-        "scaled": (config.scaled, config.scaled, f"scaled={config.scaled}"),
-        "rotary": (
-            config.positional == "rotary",
-            config.positional != "rotary",
-            "positional='rotary'",
-        ),
-    }
-    for name, (value, neutral, shown) in wanted.items():
-        if name in accepted:
-            opts[name] = value
-        elif not neutral:
-            raise ValueError(
-                f"TransformerConfig: {shown} needs a mixer that accepts '{name}' "
-                f"(e.g. 'attention'); mixer {config.mixer!r} does not"
-            )
-    if "layer_idx" in accepted and "n_layers" in accepted:
-        opts.update(layer_idx=layer_idx, n_layers=config.n_layers)
-    return opts
+__all__ = ["FeedForward", "TransformerBlock"]
 
 
 class FeedForward(nn.Module):
@@ -109,8 +50,9 @@ class TransformerBlock(nn.Module):
     * ``norm="none"`` (the definition): ``h = x + Mix(x)``; ``out = h + FF(h)``
 
     Args:
-        config: the model config; the mixer is ``build_mixer(config.mixer, ...)`` with the
-            options of :func:`mixer_options`.
+        config: the model config; the mixer is
+            ``get_mixer_class(config.mixer).from_config(config, layer_idx=layer_idx)``
+            (:meth:`~aftlab.mixers.SequenceMixer.from_config`).
         layer_idx: the block's index in the stack (depth-dependent mixer initialisation).
 
     Shapes:
@@ -123,15 +65,8 @@ class TransformerBlock(nn.Module):
         super().__init__()
         d = self.d_model = config.d_model
         self.norm = config.norm
-        self.mixer: SequenceMixer = build_mixer(
-            config.mixer,
-            d_model=d,
-            n_heads=config.n_heads,
-            causal=config.causal,
-            max_seq_len=config.max_seq_len,
-            dropout=config.dropout,
-            bias=config.bias,
-            **mixer_options(config, layer_idx=layer_idx),
+        self.mixer: SequenceMixer = get_mixer_class(config.mixer).from_config(
+            config, layer_idx=layer_idx
         )
         self.ff = FeedForward(
             d,

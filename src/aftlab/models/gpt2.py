@@ -1,5 +1,9 @@
 """Hugging Face GPT-2 state dicts -> :class:`~aftlab.models.TransformerLM` (no HF import).
 
+:func:`load_gpt2_state_dict` (``TransformerLM.from_gpt2_state_dict``) infers the config
+(:func:`gpt2_config_from_state_dict`), renames the tensors (:func:`convert_gpt2_state_dict`) and
+loads them, checking every name and shape.
+
 GPT-2 is the practical Transformer with ``norm="pre"``, ``activation="gelu_tanh"`` (``gelu_new``),
 ``positional="learned"``, biases, ``layer_norm_eps=1e-5`` and a tied head. Its ``Conv1D`` layers
 store ``W`` as ``(in, out)`` (``y = x W + b``), so each is transposed into ``nn.Linear``'s
@@ -11,12 +15,18 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 from .config import TransformerConfig
 
-__all__ = ["gpt2_config_from_state_dict", "convert_gpt2_state_dict"]
+if TYPE_CHECKING:
+    from .transformer import TransformerLM
+
+__all__ = ["gpt2_config_from_state_dict", "convert_gpt2_state_dict", "load_gpt2_state_dict"]
+
+LM = TypeVar("LM", bound="TransformerLM")
 
 _WHERE = "from_gpt2_state_dict"
 _LAYER = re.compile(r"^h\.(\d+)\.")
@@ -133,3 +143,56 @@ def convert_gpt2_state_dict(
     if unexpected:
         raise ValueError(f"{_WHERE}: unexpected key(s) in 'state_dict': {unexpected[:8]}")
     return out
+
+
+def load_gpt2_state_dict(
+    cls: type[LM],
+    state_dict: Mapping[str, torch.Tensor],
+    *,
+    config: TransformerConfig | None = None,
+    n_heads: int | None = None,
+    layer_norm_eps: float = 1e-5,
+) -> LM:
+    """Build ``cls`` (a :class:`~aftlab.models.TransformerLM`) from a GPT-2 state dict.
+
+    The config is inferred from the shapes (:func:`gpt2_config_from_state_dict`) unless given;
+    the number of heads is not in the shapes, so pass ``n_heads`` or a ``config``.
+
+    Raises:
+        ValueError: ``n_heads`` missing or not dividing ``n_embd``; a missing, unexpected or
+            wrongly shaped tensor (named with expected and received shape).
+    """
+    where = f"{cls.__name__}.from_gpt2_state_dict"
+    if config is None:
+        if n_heads is None:
+            raise ValueError(
+                f"{where}: pass 'n_heads' (GPT2Config.n_head; not recoverable from the "
+                "shapes) or 'config'"
+            )
+        config = gpt2_config_from_state_dict(
+            state_dict, n_heads=n_heads, layer_norm_eps=layer_norm_eps
+        )
+    model = cls(config)
+    converted = convert_gpt2_state_dict(state_dict, config)
+    own = model.state_dict()
+    for key, value in converted.items():
+        if key not in own:
+            raise ValueError(
+                f"{where}: 'state_dict' has {key!r}, which the config's model does not"
+            )
+        if tuple(value.shape) != tuple(own[key].shape):
+            raise ValueError(
+                f"{where}: {key!r} must have shape {tuple(own[key].shape)} for this config, "
+                f"got {tuple(value.shape)}"
+            )
+    missing = sorted(set(own) - set(converted))
+    if missing:
+        raise ValueError(f"{where}: 'state_dict' lacks {missing[:8]} for this config")
+    if config.tie_embeddings and not torch.equal(
+        converted["head.weight"], converted["backbone.token_embedding.weight"]
+    ):
+        raise ValueError(
+            f"{where}: config.tie_embeddings=True but lm_head.weight differs from wte.weight"
+        )
+    model.load_state_dict(converted)
+    return model

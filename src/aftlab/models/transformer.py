@@ -6,26 +6,39 @@ final LayerNorm. Batch-first: tokens ``(B, T)`` long, hidden states ``(B, T, d)`
 
 ``h_0 = dropout(E[idx] + P[0:T])``, ``h_l = Block_l(h_{l-1})``, ``h = LN_f(h_N)``; the LM's
 logits are ``h E^T`` with a tied head (``config.tie_embeddings``). Initialisation:
-:func:`init_weights` (``config.init``).
+:func:`init_weights` (``config.init``). Decoding and ``generate``:
+:mod:`aftlab.models.generation`; loading GPT-2 weights: :mod:`aftlab.models.gpt2`.
+
+Validation: the models' entry points (``forward``, ``prefill``, ``step``, ``generate``) check
+their token ids and padding mask (:func:`~aftlab.models.generation.check_tokens`: the id range
+only on CPU tensors outside ``torch.compile``, so that no forward pass syncs the host); a
+block and its mixer (public modules too) check only shapes and dtypes, and the mixer calls its
+op without the op's checks.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .._checks import check_choice, check_padding_mask, check_positive_int
-from ..mixers import MixerState, SequenceMixer
+from ..mixers import SequenceMixer
 from ..mixers.base import is_residual_projection
-from .blocks import FeedForward, TransformerBlock, mixer_options
+from .blocks import FeedForward, TransformerBlock
 from .config import TransformerConfig
-from .generation import check_sampling_args, sample_next_token
-from .gpt2 import convert_gpt2_state_dict, gpt2_config_from_state_dict
+from .generation import (
+    CacheMixin,
+    DecodingCache,
+    GenerateMixin,
+    check_sampling_args,
+    check_tokens,
+    sample_next_token,
+)
+from .gpt2 import load_gpt2_state_dict
 from .positional import sinusoidal_positions
 
 __all__ = [
@@ -37,52 +50,25 @@ __all__ = [
     "TransformerLM",
     "TransformerClassifier",
     "PixelTransformer",
-    "mixer_options",
     "sinusoidal_positions",
     "sample_next_token",
 ]
 
 
 # --------------------------------------------------------------------------- validation
-def _check_config(where: str, config: object) -> TransformerConfig:
+def _check_config(
+    where: str, config: object, *, causal: bool | None = None, kind: str = "", hint: str = ""
+) -> TransformerConfig:
+    """``config`` must be a :class:`TransformerConfig` (with ``causal``, for ``kind``)."""
     if not isinstance(config, TransformerConfig):
         raise TypeError(
             f"{where}: 'config' must be a TransformerConfig, got {type(config).__name__}"
         )
+    if causal is not None and config.causal != causal:
+        raise ValueError(
+            f"{where}: {kind} needs config.causal={causal}, got {config.causal}{hint}"
+        )
     return config
-
-
-def _check_tokens(
-    where: str, name: str, idx: object, *, ndim: int, vocab_size: int
-) -> torch.Tensor:
-    """``idx`` must be an integer tensor of rank ``ndim`` with ids in ``[0, vocab_size)``."""
-    shape = ("B", "T") if ndim == 2 else ("B",)
-    if not isinstance(idx, torch.Tensor):
-        raise TypeError(
-            f"{where}: '{name}' must be a torch.Tensor of token ids, got {type(idx).__name__}"
-        )
-    if idx.dim() != ndim:
-        raise ValueError(
-            f"{where}: '{name}' must have shape ({', '.join(shape)}{',' if ndim == 1 else ''}) "
-            f"of token ids, got {tuple(idx.shape)}"
-        )
-    if idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
-        raise TypeError(
-            f"{where}: '{name}' must be an integer (long) tensor of token ids, "
-            f"got dtype {idx.dtype}"
-        )
-    if ndim == 2 and idx.shape[1] == 0:
-        raise ValueError(
-            f"{where}: '{name}' must hold at least one token, got shape {tuple(idx.shape)}"
-        )
-    if idx.numel():
-        lo, hi = int(idx.min()), int(idx.max())
-        if lo < 0 or hi >= vocab_size:
-            raise ValueError(
-                f"{where}: '{name}' ids must be in [0, vocab_size={vocab_size}), "
-                f"got values in [{lo}, {hi}]"
-            )
-    return idx
 
 
 def _check_padding_mask(
@@ -136,23 +122,7 @@ def init_weights(module: nn.Module, config: TransformerConfig) -> None:
 
 
 # --------------------------------------------------------------------------- backbone
-@dataclass
-class DecodingCache:
-    """State of incremental decoding: one mixer state per block and the next position.
-
-    Attributes:
-        states: ``states[l]`` is block ``l``'s mixer state (e.g. a
-            :class:`~aftlab.mixers.attention.KVCache`).
-        position: tokens consumed so far = position of the next token.
-        batch_size: ``B``.
-    """
-
-    states: list[MixerState]
-    position: int
-    batch_size: int
-
-
-class TransformerBackbone(nn.Module):
+class TransformerBackbone(CacheMixin, nn.Module):
     """Embeddings, blocks and final norm shared by every model here.
 
     Positional encodings (``config.positional``): ``"learned"`` adds a trained table
@@ -239,22 +209,6 @@ class TransformerBackbone(nn.Module):
         """Hidden states ``(B, T, d)`` of token ids ``idx: (B, T)``."""
         return self.forward_embeddings(self.token_embedding(idx), padding_mask=padding_mask)
 
-    def init_cache(
-        self,
-        batch_size: int,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> DecodingCache:
-        """An empty :class:`DecodingCache`; every block's mixer must be causal."""
-        check_positive_int(self.where, "batch_size", batch_size)
-        if not self.config.causal:
-            raise RuntimeError(f"{self.where}: incremental decoding needs config.causal=True")
-        w = self.token_embedding.weight
-        device, dtype = device or w.device, dtype or w.dtype
-        states = [b.mixer.init_state(batch_size, device=device, dtype=dtype) for b in self.blocks]
-        return DecodingCache(states=states, position=0, batch_size=batch_size)
-
     def step_embeddings(self, h: torch.Tensor, cache: DecodingCache) -> torch.Tensor:
         """One decoding step from the input embedding ``h: (B, d)``; advances ``cache``."""
         if not isinstance(cache, DecodingCache):
@@ -282,7 +236,7 @@ def _count(module: nn.Module, exclude: Sequence[nn.Module | None]) -> int:
 
 
 # --------------------------------------------------------------------------- language model
-class TransformerLM(nn.Module):
+class TransformerLM(GenerateMixin, nn.Module):
     """Causal language model: ``logits = LN_f(Blocks(E[idx] + P)) W_head^T``.
 
     The head ``W_head: (V, d)`` is the token embedding itself when ``config.tie_embeddings``.
@@ -306,12 +260,8 @@ class TransformerLM(nn.Module):
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
         where = type(self).__name__
-        _check_config(where, config)
-        if not config.causal:
-            raise ValueError(
-                f"{where}: a language model needs config.causal=True, got False "
-                "(TransformerClassifier is the bidirectional encoder)"
-            )
+        hint = " (TransformerClassifier is the bidirectional encoder)"
+        _check_config(where, config, causal=True, kind="a language model", hint=hint)
         self.config = config
         self.backbone = TransformerBackbone(config, where=where)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
@@ -319,6 +269,14 @@ class TransformerLM(nn.Module):
             self.head.weight = self.backbone.token_embedding.weight
         else:
             init_weights(self.head, config)
+
+    @staticmethod
+    def batch_input(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
+        """The arguments of :meth:`forward` for a task batch: ``model(**model.batch_input(b))``.
+
+        ``idx = batch["input"]`` and ``padding_mask = batch.get("padding_mask")``.
+        """
+        return {"idx": batch["input"], "padding_mask": batch.get("padding_mask")}
 
     def forward(
         self, idx: torch.Tensor, *, padding_mask: torch.Tensor | None = None
@@ -333,7 +291,7 @@ class TransformerLM(nn.Module):
             ``(B, T, vocab_size)``: ``logits[:, t]`` scores token ``t + 1``.
         """
         where = type(self).__name__
-        _check_tokens(where, "idx", idx, ndim=2, vocab_size=self.config.vocab_size)
+        check_tokens(where, "idx", idx, ndim=2, vocab_size=self.config.vocab_size)
         _check_padding_mask(where, padding_mask, idx)
         return self.head(self.backbone(idx, padding_mask=padding_mask))
 
@@ -350,16 +308,7 @@ class TransformerLM(nn.Module):
         )
 
     # ------------------------------------------------------------------ decoding
-    def init_cache(
-        self,
-        batch_size: int,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> DecodingCache:
-        """An empty :class:`DecodingCache` (the model's device and dtype by default)."""
-        return self.backbone.init_cache(batch_size, device=device, dtype=dtype)
-
+    # init_cache, generate and stream_generate: GenerateMixin (models/generation.py)
     def prefill(self, idx: torch.Tensor) -> tuple[torch.Tensor, DecodingCache]:
         """Feed a whole prompt in one parallel pass and return the cache to decode on from.
 
@@ -377,7 +326,7 @@ class TransformerLM(nn.Module):
             :class:`DecodingCache` at ``position = T``.
         """
         where = type(self).__name__
-        _check_tokens(where, "idx", idx, ndim=2, vocab_size=self.config.vocab_size)
+        check_tokens(where, "idx", idx, ndim=2, vocab_size=self.config.vocab_size)
         h, cache = self.backbone.prefill_embeddings(self.backbone.token_embedding(idx))
         return self.head(h), cache
 
@@ -393,103 +342,9 @@ class TransformerLM(nn.Module):
             prefix at its last position.
         """
         where = type(self).__name__
-        _check_tokens(where, "tokens", tokens, ndim=1, vocab_size=self.config.vocab_size)
+        check_tokens(where, "tokens", tokens, ndim=1, vocab_size=self.config.vocab_size)
         h = self.backbone.step_embeddings(self.backbone.token_embedding(tokens), cache)
         return self.head(h)
-
-    def _check_generate(
-        self, prompt: torch.Tensor, max_new_tokens: int, temperature: float, top_k: int | None
-    ) -> None:
-        where = f"{type(self).__name__}.generate"
-        _check_tokens(where, "prompt", prompt, ndim=2, vocab_size=self.config.vocab_size)
-        check_positive_int(where, "max_new_tokens", max_new_tokens, allow_zero=True)
-        check_sampling_args(
-            where, temperature=temperature, top_k=top_k, vocab_size=self.config.vocab_size
-        )
-        total = prompt.shape[1] + max_new_tokens
-        limited = [b.mixer.name for b in self.backbone.blocks if b.mixer.length_limited]
-        if self.config.positional == "learned":
-            limited.insert(0, "the learned positional table")
-        if limited and total > self.config.max_seq_len:
-            raise ValueError(
-                f"{where}: prompt length {prompt.shape[1]} + max_new_tokens {max_new_tokens} "
-                f"= {total} exceeds max_seq_len = {self.config.max_seq_len}, the limit of "
-                f"{limited[0]!r}"
-            )
-
-    def stream_generate(
-        self,
-        prompt: torch.Tensor,
-        max_new_tokens: int,
-        *,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        generator: torch.Generator | None = None,
-    ) -> Iterator[torch.Tensor]:
-        """Like :meth:`generate`, yielding each new token ``(B,)`` as soon as it is drawn.
-
-        Arguments are checked when called (before the first token).
-        """
-        self._check_generate(prompt, max_new_tokens, temperature, top_k)
-        return self._stream(prompt, max_new_tokens, temperature, top_k, generator)
-
-    @torch.no_grad()
-    def _stream(
-        self,
-        prompt: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float,
-        top_k: int | None,
-        generator: torch.Generator | None,
-    ) -> Iterator[torch.Tensor]:
-        if max_new_tokens == 0:
-            return
-        # the prompt in one parallel pass; only its last position's logits are needed
-        h, cache = self.backbone.prefill_embeddings(self.backbone.token_embedding(prompt))
-        logits = self.head(h[:, -1])
-        for i in range(max_new_tokens):
-            token = sample_next_token(
-                logits, temperature=temperature, top_k=top_k, generator=generator
-            )
-            yield token
-            if i + 1 < max_new_tokens:
-                logits = self.step(token, cache)
-
-    def generate(
-        self,
-        prompt: torch.Tensor,
-        max_new_tokens: int,
-        *,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
-        """Continue ``prompt`` by sampling ``max_new_tokens`` tokens autoregressively.
-
-        The prompt is fed in one parallel pass (:meth:`prefill`), then each token is drawn
-        from ``softmax(logits / temperature)`` over the ``top_k`` largest logits
-        (:func:`~aftlab.models.generation.sample_next_token`); ``temperature=0`` is greedy.
-        Runs under ``torch.no_grad()``; call ``model.eval()`` first to disable dropout.
-
-        Args:
-            prompt: ``(B, T0)`` token ids, ``T0 >= 1``.
-            max_new_tokens: ``N >= 0``.
-            temperature: ``>= 0``.
-            top_k: ``None`` or ``1 <= k <= vocab_size``.
-            generator: a ``torch.Generator`` for reproducible sampling.
-
-        Returns:
-            ``(B, T0 + N)``: the prompt followed by the new tokens.
-
-        Raises:
-            ValueError: ``T0 + N > max_seq_len`` with learned positions; bad arguments.
-        """
-        new = list(
-            self.stream_generate(
-                prompt, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator
-            )
-        )
-        return torch.cat([prompt, *(t[:, None] for t in new)], dim=1)
 
     # ------------------------------------------------------------------ GPT-2
     @classmethod
@@ -503,9 +358,9 @@ class TransformerLM(nn.Module):
     ) -> TransformerLM:
         """Build a model from a Hugging Face ``GPT2LMHeadModel`` (or ``GPT2Model``) state dict.
 
-        The config is inferred from the shapes
-        (:func:`~aftlab.models.gpt2.gpt2_config_from_state_dict`) unless given; the number of
-        heads is not in the shapes, so pass ``n_heads`` (``GPT2Config.n_head``) or a ``config``.
+        :func:`~aftlab.models.gpt2.load_gpt2_state_dict`: the config is inferred from the
+        shapes unless given; the number of heads is not in the shapes, so pass ``n_heads``
+        (``GPT2Config.n_head``) or a ``config``.
 
         Example:
             >>> from transformers import GPT2Config, GPT2LMHeadModel  # doctest: +SKIP
@@ -517,40 +372,9 @@ class TransformerLM(nn.Module):
             ValueError: ``n_heads`` missing or not dividing ``n_embd``; a missing, unexpected or
                 wrongly shaped tensor (named with expected and received shape).
         """
-        where = f"{cls.__name__}.from_gpt2_state_dict"
-        if config is None:
-            if n_heads is None:
-                raise ValueError(
-                    f"{where}: pass 'n_heads' (GPT2Config.n_head; not recoverable from the "
-                    "shapes) or 'config'"
-                )
-            config = gpt2_config_from_state_dict(
-                state_dict, n_heads=n_heads, layer_norm_eps=layer_norm_eps
-            )
-        model = cls(config)
-        converted = convert_gpt2_state_dict(state_dict, config)
-        own = model.state_dict()
-        for key, value in converted.items():
-            if key not in own:
-                raise ValueError(
-                    f"{where}: 'state_dict' has {key!r}, which the config's model does not"
-                )
-            if tuple(value.shape) != tuple(own[key].shape):
-                raise ValueError(
-                    f"{where}: {key!r} must have shape {tuple(own[key].shape)} for this config, "
-                    f"got {tuple(value.shape)}"
-                )
-        missing = sorted(set(own) - set(converted))
-        if missing:
-            raise ValueError(f"{where}: 'state_dict' lacks {missing[:8]} for this config")
-        if config.tie_embeddings and not torch.equal(
-            converted["head.weight"], converted["backbone.token_embedding.weight"]
-        ):
-            raise ValueError(
-                f"{where}: config.tie_embeddings=True but lm_head.weight differs from wte.weight"
-            )
-        model.load_state_dict(converted)
-        return model
+        return load_gpt2_state_dict(
+            cls, state_dict, config=config, n_heads=n_heads, layer_norm_eps=layer_norm_eps
+        )
 
 
 # --------------------------------------------------------------------------- classifier
@@ -571,15 +395,15 @@ class TransformerClassifier(nn.Module):
     ) -> None:
         super().__init__()
         where = type(self).__name__
-        _check_config(where, config)
-        if config.causal:
-            raise ValueError(f"{where}: an encoder needs config.causal=False, got True")
+        _check_config(where, config, causal=False, kind="an encoder")
         self.num_classes = check_positive_int(where, "num_classes", num_classes)
         self.pooling = check_choice(where, "pooling", pooling, ("mean", "first"))
         self.config = config
         self.backbone = TransformerBackbone(config, where=where)
         self.head = nn.Linear(config.d_model, num_classes)
         init_weights(self.head, config)
+
+    batch_input = staticmethod(TransformerLM.batch_input)  # idx and padding_mask, as the LM
 
     def forward(
         self, idx: torch.Tensor, *, padding_mask: torch.Tensor | None = None
@@ -589,7 +413,7 @@ class TransformerClassifier(nn.Module):
         Padding tokens (``padding_mask`` False) change neither attention nor the mean.
         """
         where = type(self).__name__
-        _check_tokens(where, "idx", idx, ndim=2, vocab_size=self.config.vocab_size)
+        check_tokens(where, "idx", idx, ndim=2, vocab_size=self.config.vocab_size)
         _check_padding_mask(where, padding_mask, idx)
         h = self.backbone(idx, padding_mask=padding_mask)
         if self.pooling == "first":
@@ -603,7 +427,7 @@ class TransformerClassifier(nn.Module):
 
 
 # --------------------------------------------------------------------------- pixels
-class PixelTransformer(nn.Module):
+class PixelTransformer(CacheMixin, nn.Module):
     """Autoregressive model of flattened images: ``p(x) = prod_t p(x_t | x_<t)``.
 
     The input sequence is ``[s, x_0, ..., x_{N-2}]`` with ``s`` a learned start embedding, so
@@ -627,11 +451,7 @@ class PixelTransformer(nn.Module):
     def __init__(self, config: TransformerConfig, *, image_shape: Sequence[int]) -> None:
         super().__init__()
         where = type(self).__name__
-        _check_config(where, config)
-        if not config.causal:
-            raise ValueError(
-                f"{where}: an autoregressive model needs config.causal=True, got False"
-            )
+        _check_config(where, config, causal=True, kind="an autoregressive model")
         if not isinstance(image_shape, Sequence) or not image_shape:
             raise TypeError(
                 f"{where}: 'image_shape' must be a non-empty sequence of ints, got {image_shape!r}"
@@ -664,13 +484,22 @@ class PixelTransformer(nn.Module):
                     f"got {tuple(pixels.shape)}"
                 )
             pixels = pixels.flatten(1)
-        _check_tokens(where, "pixels", pixels, ndim=2, vocab_size=self.config.vocab_size)
+        check_tokens(where, "pixels", pixels, ndim=2, vocab_size=self.config.vocab_size)
         if pixels.shape[1] > self.num_pixels:
             raise ValueError(
                 f"{where}: 'pixels' must have at most N = {self.num_pixels} positions, "
                 f"got shape {tuple(pixels.shape)}"
             )
         return pixels
+
+    @staticmethod
+    def batch_input(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The arguments of :meth:`forward` for a task batch: the pixels, ``batch["target"]``.
+
+        A pixel task's ``input`` is the pixels shifted right after a constant 0; this model
+        feeds its learned start token instead, so it reads the pixels themselves.
+        """
+        return {"pixels": batch["target"]}
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """Logits ``(B, T, V)`` for ``pixels: (B, T)`` (``T <= N``) or ``(B, *image_shape)``.
@@ -692,16 +521,6 @@ class PixelTransformer(nn.Module):
         nll = F.cross_entropy(logits.transpose(1, 2).float(), pixels, reduction="none")
         return nll.mean(dim=1) / math.log(2.0)
 
-    def init_cache(
-        self,
-        batch_size: int,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> DecodingCache:
-        """An empty :class:`DecodingCache`; the first :meth:`step` consumes the start token."""
-        return self.backbone.init_cache(batch_size, device=device, dtype=dtype)
-
     def step(self, pixels: torch.Tensor | None, cache: DecodingCache) -> torch.Tensor:
         """Feed the previous pixel ``(B,)`` (``None`` at position 0: the start token).
 
@@ -716,7 +535,7 @@ class PixelTransformer(nn.Module):
                 raise ValueError(f"{where}: the first step takes pixels=None (the start token)")
             h = self.start.expand(cache.batch_size, -1)
         else:
-            _check_tokens(where, "pixels", pixels, ndim=1, vocab_size=self.config.vocab_size)
+            check_tokens(where, "pixels", pixels, ndim=1, vocab_size=self.config.vocab_size)
             h = self.backbone.token_embedding(pixels)
         return self.head(self.backbone.step_embeddings(h, cache))
 

@@ -54,7 +54,7 @@ from .._autograd import keep_inputs, once_differentiable
 from .._checks import check_compatible, check_padding_mask, check_tensor
 from ._numerics import compute_dtype, finite_shift, lse_merge, shift_along
 from .reference import biased_average_reference
-from .scan import stable_prefix_average
+from .scan import _stable_prefix_average
 
 __all__ = ["aft_conv", "aft_conv2d", "aft_conv_reference", "aft_conv2d_reference"]
 
@@ -74,7 +74,7 @@ def _scan(
     """
     present = torch.isfinite(keys[..., 0])
     k = torch.where(present[..., None], keys, torch.zeros_like(keys))
-    return stable_prefix_average(k, vals.to(k.dtype), reverse=reverse, padding_mask=present)
+    return _stable_prefix_average(k, vals.to(k.dtype), reverse=reverse, padding_mask=present)
 
 
 def _outside_box(
@@ -380,7 +380,12 @@ def aft_conv(
             f"{where}: a non-causal kernel must have odd size s (centred), "
             f"got 'w' of shape {tuple(w.shape)}"
         )
-    B, T = q.shape[:2]
+    return _aft_conv(q, k, v, w, causal=causal, padding_mask=padding_mask)
+
+
+def _aft_conv(q, k, v, w, *, causal: bool, padding_mask):
+    """:func:`aft_conv` without the checks (the mixer's call: its input is validated)."""
+    T, s = q.shape[1], w.shape[-1]
     if q.numel() == 0:  # no batch, positions, heads or channels
         return _empty(q, k, v, w)
     if kernels.enabled(q):
@@ -433,7 +438,12 @@ def aft_conv2d(
         raise ValueError(
             f"{where}: the kernel must have odd size s (centred), got 'w' of shape {tuple(w.shape)}"
         )
-    H, W = q.shape[1:3]
+    return _aft_conv2d(q, k, v, w, padding_mask=padding_mask)
+
+
+def _aft_conv2d(q, k, v, w, *, padding_mask):
+    """:func:`aft_conv2d` without the checks (the mixer's call: its input is validated)."""
+    H, W, s = q.shape[1], q.shape[2], w.shape[-1]
     if q.numel() == 0:  # no batch, positions, heads or channels
         return _empty(q, k, v, w)
     geom = _Geometry.make(H, W, s, causal=False, two_d=True)

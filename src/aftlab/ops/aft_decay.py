@@ -29,30 +29,19 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from .._checks import check_tensor
+from .._checks import check_qkv, check_tensor
 from ._numerics import compute_dtype
-from .aft_simple import _check_qkv
 from .reference import biased_average_reference
-from .scan import stable_prefix_average
+from .scan import _stable_prefix_average, check_decay
 
 __all__ = ["aft_decay", "aft_decay_reference"]
 
 
-
 def _check_decay_bonus(where: str, q: torch.Tensor, decay, bonus) -> None:
-    d = q.shape[-1]
-    for name, t in (("decay", decay), ("bonus", bonus)):
-        check_tensor(where, name, t, shape=(d,), floating=True)
-        if t.device != q.device:
-            raise ValueError(f"{where}: '{name}' is on {t.device} but 'q' is on {q.device}")
-    # A value check syncs on data: torch.compile traces without it (fullgraph, no graph break).
-    if d and not torch.compiler.is_compiling() and bool(
-        (decay < 0).any() | ~torch.isfinite(decay).all()
-    ):
-        raise ValueError(
-            f"{where}: 'decay' must be finite and >= 0 in every channel, "
-            f"got min {decay.min().item():g}"
-        )
+    check_decay(where, decay, "q", q)
+    check_tensor(where, "bonus", bonus, shape=(q.shape[-1],), floating=True)
+    if bonus.device != q.device:
+        raise ValueError(f"{where}: 'bonus' is on {bonus.device} but 'q' is on {q.device}")
 
 
 def aft_decay(
@@ -79,12 +68,19 @@ def aft_decay(
         ``Y``, ``(B, T, d)`` in the dtype of ``q`` (float16/bfloat16 are computed in float32).
 
     Raises:
-        ValueError: a negative or non-finite ``decay``; wrong ranks, shapes or devices.
+        ValueError: a negative or non-finite ``decay`` (its values are read only on the CPU
+            outside ``torch.compile``: :func:`~aftlab.ops.scan.check_decay`); wrong ranks,
+            shapes or devices.
         TypeError: non-tensor or non-float inputs, mismatched dtypes of ``q, k, v``.
     """
     where = "aft_decay"
-    _check_qkv(where, q, k, v, padding_mask)
+    check_qkv(where, q, k, v, padding_mask)
     _check_decay_bonus(where, q, decay, bonus)
+    return _aft_decay(q, k, v, decay, bonus, padding_mask=padding_mask)
+
+
+def _aft_decay(q, k, v, decay, bonus, *, padding_mask):
+    """:func:`aft_decay` without the checks (the mixer's call: its input is validated)."""
     if kernels.enabled(q, decay, bonus):
         return kernels._ops.aft_decay(q, k, v, decay, bonus, padding_mask=padding_mask)
     return _aft_decay_torch(q, k, v, decay, bonus, padding_mask=padding_mask)
@@ -98,7 +94,7 @@ def _aft_decay_torch(q, k, v, decay, bonus, *, padding_mask):
     lam, u = decay.to(cdt), bonus.to(cdt)
     B, T, d = q.shape
     # (L_t, A_t) over t' <= t with decay lambda; shifted by one they are the past of t.
-    L, A = stable_prefix_average(k, v, decay=lam, padding_mask=padding_mask)
+    L, A = _stable_prefix_average(k, v, decay=lam, padding_mask=padding_mask)
     L_prev = torch.cat([L.new_full((B, 1, d), float("-inf")), L[:, :-1]], 1)
     A_prev = torch.cat([A.new_zeros(B, 1, d), A[:, :-1]], 1)
     # w_t = exp(u + K_t) / (exp(L_{t-1}) + exp(u + K_t)) = sigmoid(u + K_t - L_{t-1}), the

@@ -79,7 +79,7 @@ import torch
 
 from .. import kernels
 from .._autograd import keep_inputs, once_differentiable
-from .._checks import check_compatible, check_padding_mask, check_tensor
+from .._checks import check_compatible, check_qkv, check_tensor
 from .reference import biased_average_reference
 
 __all__ = ["aft_full", "aft_full_reference", "lse_average"]
@@ -446,29 +446,18 @@ def lse_average(
 
 # ----------------------------------------------------------------------------- public API
 def check_aft_inputs(where, q, k, v, w, padding_mask):
-    """Validate ``q, k, v (B, T, d)``, ``w (T', T')`` with ``T' >= T`` (unless None) and
-    ``padding_mask (B, T)``."""
-    check_tensor(where, "q", q, ndim=3, floating=True)
-    B, T, d = q.shape
-    check_tensor(where, "k", k, ndim=3, floating=True)
-    check_tensor(where, "v", v, ndim=3, floating=True)
-    for name, x in (("k", k), ("v", v)):
-        if x.shape != q.shape:
-            raise ValueError(
-                f"{where}: '{name}' must have shape {tuple(q.shape)} like 'q', got {tuple(x.shape)}"
-            )
-    named = {"q": q, "k": k, "v": v}
+    """Validate ``q, k, v (B, T, d)`` and ``padding_mask (B, T)`` (:func:`check_qkv`), and
+    ``w (T', T')`` with ``T' >= T`` unless None."""
+    check_qkv(where, q, k, v, padding_mask)
     if w is not None:
+        T = q.shape[1]
         check_tensor(where, "w", w, ndim=2, floating=True)
         if w.shape[0] < T or w.shape[1] < T:
             raise ValueError(
                 f"{where}: 'w' must have shape (T', T') with T' >= T = {T} (the length of 'q'), "
                 f"got {tuple(w.shape)}"
             )
-        named["w"] = w
-    check_compatible(where, named)
-    if padding_mask is not None:
-        check_padding_mask(where, padding_mask, (B, T), "q", q)
+        check_compatible(where, {"q": q, "w": w})
 
 
 def aft_full(
@@ -504,6 +493,11 @@ def aft_full(
         torch.Size([2, 5, 4])
     """
     check_aft_inputs("aft_full", q, k, v, w, padding_mask)
+    return _aft_full(q, k, v, w, causal=causal, padding_mask=padding_mask)
+
+
+def _aft_full(q, k, v, w, *, causal: bool, padding_mask):
+    """:func:`aft_full` without the checks (the mixer's call: its input is validated)."""
     T = q.shape[1]
     if T == 0:
         return q * 0.0  # empty, still connected to the graph

@@ -34,11 +34,11 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from .._checks import check_compatible, check_positive_int, check_tensor
+from .._checks import check_compatible, check_positive_int, check_qkv, check_tensor
 from ._numerics import compute_dtype, shift_along
 from .aft_full import Geometry, check_aft_inputs, lse_average
 from .reference import biased_average_reference
-from .scan import stable_prefix_average
+from .scan import _stable_prefix_average
 
 __all__ = ["aft_local", "aft_local_band", "aft_local_reference", "band_geometry", "band_of"]
 
@@ -88,16 +88,20 @@ def aft_local_band(
         ``(B, T, d)`` in the dtype of ``q``.
     """
     where = "aft_local"
-    check_aft_inputs(where, q, k, v, None, padding_mask)
+    check_qkv(where, q, k, v, padding_mask)
     check_positive_int(where, "window", window, allow_zero=True)
     T = q.shape[1]
-    if T == 0:
-        return q * 0.0  # empty, still connected to the graph
-    s = min(window, T)
-    if s > 0:
+    if T and window:
         geo = band_geometry(T, window, causal=causal)
         check_tensor(where, "w_band", w_band, shape=(T, geo.W), floating=True)
         check_compatible(where, {"q": q, "w_band": w_band})
+    return _aft_local_band(q, k, v, w_band, window, causal=causal, padding_mask=padding_mask)
+
+
+def _aft_local_band(q, k, v, w_band, window: int, *, causal: bool, padding_mask):
+    """:func:`aft_local_band` without the checks (the mixer's call: its input is validated)."""
+    if q.shape[1] == 0:
+        return q * 0.0  # empty, still connected to the graph
     if kernels.enabled(q):
         return kernels.band.local(q, k, v, w_band, window, causal=causal, padding_mask=padding_mask)
     return _aft_local_torch(q, k, v, w_band, window, causal=causal, padding_mask=padding_mask)
@@ -116,10 +120,10 @@ def _aft_local_torch(q, k, v, w_band, window: int, *, causal: bool, padding_mask
             parts.append(lse_average(kc, vc, w_band.to(cd), geo, padding_mask))
         if s < T:
             # keys t' <= t - s: prefix sums read at t - s
-            L, A = stable_prefix_average(kc, vc, padding_mask=padding_mask)
+            L, A = _stable_prefix_average(kc, vc, padding_mask=padding_mask)
             parts.append((shift_along(L, s, 1, float("-inf")), shift_along(A, s, 1, 0.0)))
             if not causal:  # keys t' >= t + max(s, 1): reverse sums read there
-                L, A = stable_prefix_average(kc, vc, reverse=True, padding_mask=padding_mask)
+                L, A = _stable_prefix_average(kc, vc, reverse=True, padding_mask=padding_mask)
                 r = max(s, 1)
                 parts.append((shift_along(L, -r, 1, float("-inf")), shift_along(A, -r, 1, 0.0)))
         if len(parts) == 1:
@@ -182,7 +186,7 @@ def aft_local(
     if T == 0:
         return q * 0.0
     w_band = band_of(w, T, max(window, 1), causal=causal)
-    return aft_local_band(q, k, v, w_band, window, causal=causal, padding_mask=padding_mask)
+    return _aft_local_band(q, k, v, w_band, window, causal=causal, padding_mask=padding_mask)
 
 
 def aft_local_reference(

@@ -20,23 +20,12 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from .._checks import check_compatible, check_padding_mask, check_tensor
+from .._checks import check_qkv
 from ._numerics import compute_dtype, finite_shift
 from .reference import biased_average_reference
-from .scan import stable_prefix_average
+from .scan import _stable_prefix_average
 
 __all__ = ["aft_simple", "aft_simple_reference"]
-
-
-
-def _check_qkv(where: str, q, k, v, padding_mask) -> None:
-    """Validate ``q, k, v: (B, T, d)`` (same dtype/device) and ``padding_mask: (B, T)`` bool."""
-    check_tensor(where, "q", q, ndim=3, floating=True)
-    check_tensor(where, "k", k, shape=tuple(q.shape), floating=True)
-    check_tensor(where, "v", v, shape=tuple(q.shape), floating=True)
-    check_compatible(where, {"q": q, "k": k, "v": v})
-    if padding_mask is not None:
-        check_padding_mask(where, padding_mask, tuple(q.shape[:2]), "q", q)
 
 
 def aft_simple(
@@ -63,8 +52,12 @@ def aft_simple(
     Raises:
         ValueError / TypeError: wrong ranks, shapes, dtypes or devices (naming the argument).
     """
-    where = "aft_simple"
-    _check_qkv(where, q, k, v, padding_mask)
+    check_qkv("aft_simple", q, k, v, padding_mask)
+    return _aft_simple(q, k, v, causal=causal, padding_mask=padding_mask)
+
+
+def _aft_simple(q, k, v, *, causal: bool, padding_mask):
+    """:func:`aft_simple` without the checks (the mixer's call: its input is validated)."""
     if kernels.enabled(q):
         return kernels._ops.aft_simple(q, k, v, causal=causal, padding_mask=padding_mask)
     return _aft_simple_torch(q, k, v, causal=causal, padding_mask=padding_mask)
@@ -76,7 +69,7 @@ def _aft_simple_torch(q, k, v, *, causal: bool, padding_mask):
     q, k, v = q.to(cdt), k.to(cdt), v.to(cdt)
     if causal:
         # A_t = sum_{t'<=t} exp(K_t' - L_t) V_t', L_t = log sum_{t'<=t} exp(K_t')
-        _, A = stable_prefix_average(k, v, padding_mask=padding_mask)
+        _, A = _stable_prefix_average(k, v, padding_mask=padding_mask)
     elif k.shape[1] == 0:  # no position: nothing to average (and no maximum to take)
         A = v
     else:

@@ -56,7 +56,6 @@ from ._numerics import compute_dtype
 __all__ = ["stable_prefix_average", "stable_prefix_average_reference"]
 
 
-
 def stable_prefix_average_reference(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -156,10 +155,11 @@ def _scan_forward(
     a_prev = torch.zeros(B, nC, d, dtype=k.dtype, device=k.device)
     for j in range(C):
         carried = l_prev if lam is None or j == 0 else _decayed(l_prev, lam, step, step)
-        lj, aj = l[:, :, j], a[:, :, j]
-        torch.logaddexp(carried, kc[:, :, j], out=lj)
+        lj = torch.logaddexp(carried, kc[:, :, j])
         _weight(kc[:, :, j], lj, out=r)
-        torch.addcmul(a_prev, r, a_prev, value=-1.0, out=aj).addcmul_(r, vc[:, :, j])
+        aj = torch.addcmul(a_prev, r, a_prev, value=-1.0).addcmul_(r, vc[:, :, j])
+        # (no out= into the strided slices: torch.compile cannot trace that)
+        l[:, :, j], a[:, :, j] = lj, aj
         l_prev, a_prev = lj, aj
     if nC > 1:
         # Chunk summaries are the same problem with decay C * step * lambda; their exclusive
@@ -261,9 +261,11 @@ class _PrefixAverage(torch.autograd.Function):
         r = _weight(k, L)
         p, C = _reverse_buffer(2, B, T, d, k)
         gn = torch.zeros(B, p.shape[2], d, dtype=k.dtype, device=k.device)
-        torch.sub(1.0, r[:, 1:], out=gn[:, : T - 1])  # gn_t = g_{t+1} = 1 - r_{t+1}
+        # In place into the buffers' slices (no fresh full-size tensor; and no out= into a
+        # strided slice, which torch.compile cannot trace).
+        gn[:, : T - 1].copy_(r[:, 1:]).neg_().add_(1.0)  # gn_t = g_{t+1} = 1 - r_{t+1}
         p[0, :, :T] = dA
-        torch.addcmul(dL, dA, A, value=-1.0, out=p[1, :, :T])  # e = dL - dA * A
+        p[1, :, :T].copy_(dL).addcmul_(dA, A, value=-1.0)  # e = dL - dA * A
         _scan_reverse_(p, gn, C)
         del gn
         PA, Pe, work = p[0, :, :T], p[1, :, :T], p[2, :, :T]
@@ -271,7 +273,7 @@ class _PrefixAverage(torch.autograd.Function):
         if ctx.has_lam and ctx.needs_input_grad[2]:
             # dlambda = -sum_t g_t (P^e_t + P^A_t A_{t-1}), g_t = 1 - r_t (A_{-1} = 0)
             work[:, 0] = Pe[:, 0]
-            torch.addcmul(Pe[:, 1:], PA[:, 1:], A[:, :-1], out=work[:, 1:])
+            work[:, 1:].copy_(Pe[:, 1:]).addcmul_(PA[:, 1:], A[:, :-1])
             dlam = -work.addcmul_(work, r, value=-1.0).sum((0, 1))  # work * (1 - r), per element
         # In place in the scan's buffer: dk = r (P^e + v P^A), then dv = r P^A.
         dk = Pe.addcmul_(v, PA).mul_(r) if ctx.needs_input_grad[0] else None
@@ -307,23 +309,48 @@ def stable_prefix_average(
         float32). Where no key contributes, ``L = -inf`` and ``A = 0``.
 
     Raises:
-        ValueError / TypeError: wrong ranks, shapes, dtypes or devices (naming the argument).
+        ValueError / TypeError: wrong ranks, shapes, dtypes or devices (naming the argument);
+            a negative or non-finite ``decay`` (checked as :func:`check_decay` says).
     """
     where = "stable_prefix_average"
     check_tensor(where, "k", k, ndim=3, floating=True)
     check_tensor(where, "v", v, shape=tuple(k.shape), floating=True)
     check_compatible(where, {"k": k, "v": v})
     if decay is not None:
-        check_tensor(where, "decay", decay, shape=(k.shape[2],), floating=True)
-        if decay.device != k.device:
-            raise ValueError(f"{where}: 'decay' is on {decay.device} but 'k' is on {k.device}")
-        if bool((decay < 0).any() | ~torch.isfinite(decay).all()):
-            raise ValueError(
-                f"{where}: 'decay' must be finite and >= 0 in every channel, "
-                f"got min {decay.min().item():g}"
-            )
+        check_decay(where, decay, "k", k)
     if padding_mask is not None:
         check_padding_mask(where, padding_mask, tuple(k.shape[:2]), "k", k)
+    return _stable_prefix_average(k, v, decay=decay, reverse=reverse, padding_mask=padding_mask)
+
+
+def check_decay(where: str, decay: object, ref_name: str, ref: torch.Tensor) -> torch.Tensor:
+    """``decay`` must be a float ``(d,)`` tensor on ``ref``'s device (``d = ref.shape[-1]``), with
+    every ``lambda`` finite and ``>= 0``.
+
+    The shape, dtype and device are checked always. The values are read only for a CPU tensor
+    outside ``torch.compile``: on a GPU the read would stall the host, and in a compiled graph
+    break it. (The mixers pass ``lambda = exp(w)``, ``>= 0`` by construction, unchecked.)
+    """
+    check_tensor(where, "decay", decay, shape=(ref.shape[-1],), floating=True)
+    assert isinstance(decay, torch.Tensor)
+    if decay.device != ref.device:
+        raise ValueError(
+            f"{where}: 'decay' is on {decay.device} but '{ref_name}' is on {ref.device}"
+        )
+    if (
+        decay.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+        and bool((decay < 0).any() | ~torch.isfinite(decay).all())
+    ):
+        raise ValueError(
+            f"{where}: 'decay' must be finite and >= 0 in every channel, "
+            f"got min {decay.min().item():g}"
+        )
+    return decay
+
+
+def _stable_prefix_average(k, v, *, decay=None, reverse: bool = False, padding_mask=None):
+    """:func:`stable_prefix_average` without the checks (the ops' call: inputs validated)."""
     out_dtype = k.dtype
     cdt = compute_dtype(out_dtype)
     B, T, d = k.shape

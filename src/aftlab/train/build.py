@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 from typing import Any
 
 from torch import nn
 
+from .._checks import did_you_mean
 from ..models.config import TransformerConfig
 from .config import TrainConfig
 from .errors import UsageError
@@ -22,13 +23,6 @@ def build_task(config: TrainConfig) -> Any:
     """
     from .. import data as data_mod
 
-    names = data_mod.available_tasks()
-    if config.task not in names:
-        import difflib
-
-        near = difflib.get_close_matches(config.task, names, n=2)
-        hint = f"did you mean {' or '.join(map(repr, near))}? " if near else ""
-        raise UsageError(f"unknown task {config.task!r}; {hint}known tasks: {', '.join(names)}")
     try:
         return data_mod.build_task(
             config.task,
@@ -42,33 +36,39 @@ def build_task(config: TrainConfig) -> Any:
 
 
 def model_config_for(config: TrainConfig, task: Any) -> TransformerConfig:
-    """The model's :class:`TransformerConfig`: sizes from ``config``, the rest from ``task``.
+    """The model's :class:`TransformerConfig`: ``config.model`` with what the task decides.
 
-    For ``aft-conv`` on a task with a 2-d ``grid`` (digits classification), the grid goes into
-    the mixer options unless the config sets one.
+    One ``dataclasses.replace`` of ``config.model`` sets ``vocab_size`` (the task's),
+    ``max_seq_len`` (the task's ``seq_len``: an image fixes it), ``causal`` (``task.kind ==
+    "lm"``) and the mixer options the mixer takes from a task (its ``options_from_task``, e.g.
+    aft-conv's ``grid`` on digits classification) that the config does not set.
+
+    Raises:
+        UsageError: an unknown mixer (with the close names), a model the task's sizes make
+            invalid.
     """
     from ..mixers import available_mixers, get_mixer_class
 
-    if config.mixer not in available_mixers():
-        import difflib
-
-        near = difflib.get_close_matches(config.mixer, available_mixers(), n=2)
-        hint = f"did you mean {' or '.join(map(repr, near))}? " if near else ""
-        raise UsageError(
-            f"unknown mixer {config.mixer!r}; {hint}known mixers: {', '.join(available_mixers())}"
-        )
-    extra: dict[str, Any] = {}
-    grid = getattr(task, "grid", None)
-    if (
-        grid is not None
-        and "grid" in inspect.signature(get_mixer_class(config.mixer).__init__).parameters
-    ):
-        extra["grid"] = tuple(grid)
     try:
-        base = config.transformer_config(
-            vocab_size=task.vocab_size, causal=task.kind == "lm", **extra
+        mixer = get_mixer_class(config.mixer)
+    except ValueError:
+        names = available_mixers()
+        raise UsageError(
+            f"unknown mixer {config.mixer!r}; {did_you_mean(config.mixer, names)}"
+            f"known mixers: {', '.join(names)}"
+        ) from None
+    options = dict(config.mixer_options)
+    for name in mixer.options_from_task:
+        if getattr(task, name, None) is not None:
+            options.setdefault(name, getattr(task, name))
+    try:
+        return dataclasses.replace(
+            config.model,
+            vocab_size=task.vocab_size,
+            max_seq_len=task.seq_len,
+            causal=task.kind == "lm",
+            mixer_options=options,
         )
-        return TransformerConfig.from_dict({**base.to_dict(), "max_seq_len": task.seq_len})
     except (TypeError, ValueError) as e:
         raise UsageError(f"config: {e}") from None
 

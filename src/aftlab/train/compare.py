@@ -23,6 +23,7 @@ Fair comparisons (docs/results.md, "aftlab compare"):
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import math
@@ -35,6 +36,7 @@ from typing import Any, TextIO
 import numpy as np
 import torch
 
+from .._checks import did_you_mean
 from .._json import dumps
 from .build import build_model, build_task, model_config_for, task_info
 from .checkpoint import atomic_write_text
@@ -144,9 +146,9 @@ def match_parameters(config: TrainConfig, task: Any, target: int) -> tuple[Train
     """
 
     def with_d_ff(d_ff: int) -> TrainConfig:
-        return config.replace(model={**config.model, "d_ff": d_ff})
+        return config.replace(model=dataclasses.replace(config.model, d_ff=d_ff))
 
-    d_ff0 = config.model.get("d_ff") or 4 * config.model["d_model"]
+    d_ff0 = config.model.resolved_d_ff
     p0 = count_parameters(with_d_ff(d_ff0), task)
     step = count_parameters(with_d_ff(d_ff0 + 1), task) - p0
     d_ff = d_ff0 + round((target - p0) / step)
@@ -373,11 +375,12 @@ def run_compare(
         raise UsageError(f"--seeds must be a positive integer, got {seeds!r}")
     lrs = list(lrs) if lrs else [base.lr]
     specs = [parse_mixer_spec(m) for m in mixers]
-    unknown = [sp.name for sp in specs if sp.name not in available_mixers()]
+    names = available_mixers()
+    unknown = [sp.name for sp in specs if sp.name not in names]
     if unknown:
         raise UsageError(
-            f"unknown mixer {unknown[0]!r} in --mixers; "
-            f"known mixers: {', '.join(available_mixers())}"
+            f"unknown mixer {unknown[0]!r} in --mixers; {did_you_mean(unknown[0], names)}"
+            f"known mixers: {', '.join(names)}"
         )
     labels = [sp.label for sp in specs]
     if len(set(map(_folder, labels))) != len(labels):
@@ -440,8 +443,7 @@ def run_compare(
             {
                 "mixer": sp.label,
                 "parameters": summaries[0]["parameters"],
-                "d_ff": configs[sp.label].model.get("d_ff")
-                or 4 * configs[sp.label].model["d_model"],
+                "d_ff": configs[sp.label].model.resolved_d_ff,
                 "lr": best,
                 "seeds": seed_list,
                 "val_by_lr": {f"{lr:g}": v for lr, v in val_by_lr.items()},

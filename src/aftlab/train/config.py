@@ -1,39 +1,49 @@
 """The training config: a typed, validated dataclass, loaded from TOML and ``--set`` overrides.
 
-A config file is TOML (``tomllib``; ``tomli`` on Python 3.10) with the fields of
-:class:`TrainConfig` at the top level and three tables::
+:class:`TrainConfig` holds the run's settings and, as ``model``, the typed
+:class:`~aftlab.models.TransformerConfig` (mixer and mixer options included). A config file is
+TOML (``tomllib``; ``tomli`` on Python 3.10) with the run's fields at the top level and three
+tables::
 
     task = "text"
-    seq_len = 128
-    mixer = "aft-local"
+    seq_len = 128            # model.max_seq_len
+    mixer = "aft-local"      # model.mixer
     steps = 500
 
-    [mixer_options]          # keyword options of the mixer
+    [mixer_options]          # model.mixer_options: keyword options of the mixer
     window = 32
 
-    [model]                  # TransformerConfig fields (sizes, norm, positions, ...)
+    [model]                  # the other TransformerConfig fields (sizes, norm, positions, ...)
     d_model = 128
     n_layers = 4
 
     [task_options]           # keyword options of the task (see ``aftlab.data``)
 
+``seq_len``, ``mixer`` and ``[mixer_options]`` stay at the top level, as users write them; a
+``[model]`` key not given takes :func:`default_model`'s value. ``vocab_size`` and ``causal``
+are the task's (``aftlab.train.build.model_config_for`` fills them, and the task's own
+``seq_len``, with one ``dataclasses.replace``). :meth:`TrainConfig.to_dict`,
+:func:`to_toml` and the ``config.toml``/``config.json`` of a run folder use this same layout.
+
 ``--set key=value`` overrides any field after the file is read; ``key`` may be dotted
-(``model.d_model=256``) and ``value`` is a TOML literal (``3e-4``, ``true``, ``[0.9, 0.95]``,
-``{window = 32}``); a value that is not a TOML literal is taken as a string
-(``--set mixer=aft-full``).
+(``model.d_model=256``, ``mixer_options.window=32``) and ``value`` is a TOML literal
+(``3e-4``, ``true``, ``[0.9, 0.95]``, ``{window = 32}``); a value that is not a TOML literal
+is taken as a string (``--set mixer=aft-full``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import math
 import sys
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .._checks import did_you_mean
 from ..models.config import TransformerConfig
 from .errors import UsageError
 
@@ -44,8 +54,7 @@ else:  # pragma: no cover - Python 3.10
 
 __all__ = [
     "TrainConfig",
-    "MODEL_KEYS",
-    "DEFAULT_MODEL",
+    "default_model",
     "load_config",
     "apply_overrides",
     "parse_override",
@@ -54,14 +63,10 @@ __all__ = [
     "resume_conflicts",
 ]
 
-#: TransformerConfig fields that the ``[model]`` table may set; the others are derived from the
-#: task (``vocab_size``, ``causal``), the context (``max_seq_len``) and ``mixer``/``mixer_options``.
-_DERIVED = ("vocab_size", "max_seq_len", "mixer", "mixer_options", "causal")
-MODEL_KEYS: tuple[str, ...] = tuple(
-    f.name for f in dataclasses.fields(TransformerConfig) if f.name not in _DERIVED
-)
-#: The default model: small enough that ``aftlab train`` finishes in minutes on 2 CPU cores.
-DEFAULT_MODEL: dict[str, Any] = {"d_model": 128, "n_layers": 3, "n_heads": 4}
+#: Model fields a config file writes at the top level: file key -> TransformerConfig field.
+_ON_TOP = {"seq_len": "max_seq_len", "mixer": "mixer", "mixer_options": "mixer_options"}
+#: Model fields that only the task decides (``model_config_for``); a config does not set them.
+_FROM_TASK = ("vocab_size", "causal")
 
 _PRECISIONS = ("fp32", "bf16")
 _PARALLEL = ("ddp", "fsdp")  # aftlab.train.distributed.PARALLEL
@@ -69,11 +74,13 @@ _LOGS = ("jsonl", "tensorboard")
 _FREE_TABLES = ("mixer_options", "task_options")  # tables whose keys are not checked here
 
 
-def _close(name: str, candidates: list[str] | tuple[str, ...]) -> str:
-    near = difflib.get_close_matches(name, list(candidates), n=3, cutoff=0.6)
-    if near:
-        return f"; did you mean {' or '.join(repr(n) for n in near)}?"
-    return f"; known keys: {', '.join(sorted(candidates))}"
+def default_model() -> TransformerConfig:
+    """The default model: small enough that ``aftlab train`` finishes in minutes on 2 CPU cores.
+
+    ``d_model=128, n_layers=3, n_heads=4`` and a context of 128 (``seq_len``); the other fields
+    are :class:`TransformerConfig`'s defaults. A ``[model]`` table refines it.
+    """
+    return TransformerConfig(d_model=128, n_layers=3, n_heads=4, max_seq_len=128)
 
 
 @dataclass
@@ -84,12 +91,11 @@ class TrainConfig:
         task: task name (``aftlab.data.available_tasks()``), e.g. ``"text"``.
         data: path of the task's data (file or folder); ``None`` for the task's built-in data.
         task_options: extra keyword options of the task.
-        seq_len: context length ``T`` (the task may fix it, e.g. the 64 pixels of ``digits``).
-        mixer: registered token mixer (``"attention"``, ``"aft-full"``, ``"aft-local"``, ...).
-        mixer_options: keyword options of the mixer (e.g. ``{"window": 32}``).
-        model: :class:`~aftlab.models.TransformerConfig` fields other than the derived
-            ``vocab_size``, ``max_seq_len``, ``mixer``, ``mixer_options`` and ``causal``; keys not
-            given take :data:`DEFAULT_MODEL`, then TransformerConfig's defaults.
+        model: the model (:class:`~aftlab.models.TransformerConfig`), mixer and mixer options
+            included; its ``max_seq_len`` is the context ``T`` asked of the task (the task may
+            fix it, e.g. the 64 pixels of ``digits``). ``vocab_size`` and ``causal`` are
+            placeholders the task fills (:func:`aftlab.train.build.model_config_for`).
+            Default :func:`default_model`.
         batch_size: sequences per optimizer step, over all processes and accumulation steps.
         grad_accum: micro-batches per optimizer step on each process.
         lr: peak learning rate (after warm-up).
@@ -119,15 +125,19 @@ class TrainConfig:
         log: ``"jsonl"`` (``metrics.jsonl`` only), or ``"tensorboard"``: the same scalars also
             as TensorBoard event files in ``RUN_DIR/tb`` (the ``tensorboard`` extra).
         out: run folder; ``None``: ``runs/<task>-<mixer>-<date>-<time>``.
+
+    Example:
+        >>> cfg = TrainConfig.from_dict({"mixer": "aft-local", "model": {"d_model": 64}})
+        >>> cfg.model.mixer, cfg.mixer, cfg.model.d_model, cfg.model.n_layers, cfg.seq_len
+        ('aft-local', 'aft-local', 64, 3, 128)
+        >>> cfg.replace(mixer="aft-full", seq_len=64).model.max_seq_len
+        64
     """
 
     task: str = "text"
     data: str | None = None
     task_options: dict[str, Any] = field(default_factory=dict)
-    seq_len: int = 128
-    mixer: str = "attention"
-    mixer_options: dict[str, Any] = field(default_factory=dict)
-    model: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_MODEL))
+    model: TransformerConfig = field(default_factory=default_model)
     batch_size: int = 16
     grad_accum: int = 1
     lr: float = 2e-3
@@ -153,11 +163,27 @@ class TrainConfig:
     log: str = "jsonl"
     out: str | None = None
 
+    # the model fields a config file writes at the top level, read-only here
+    @property
+    def seq_len(self) -> int:
+        """The context ``T`` asked of the task: ``model.max_seq_len``."""
+        return self.model.max_seq_len
+
+    @property
+    def mixer(self) -> str:
+        """``model.mixer``."""
+        return self.model.mixer
+
+    @property
+    def mixer_options(self) -> dict[str, Any]:
+        """``model.mixer_options``."""
+        return self.model.mixer_options
+
     def __post_init__(self) -> None:
-        self._check_types()
-        self.model = {**DEFAULT_MODEL, **self.model}  # the [model] table refines the defaults
+        hints = typing.get_type_hints(TrainConfig)
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, _typed(f.name, getattr(self, f.name), hints[f.name]))
         for name in (
-            "seq_len",
             "batch_size",
             "grad_accum",
             "steps",
@@ -201,125 +227,151 @@ class TrainConfig:
             self._fail("device", "'auto', 'cpu', 'cuda' or 'cuda:N'")
         if self.batch_size % self.grad_accum:
             self._fail("batch_size", f"a multiple of grad_accum={self.grad_accum}")
-        for key in self.model:
-            if key not in MODEL_KEYS:
-                hint = " (it is set by the trainer)" if key in _DERIVED else _close(key, MODEL_KEYS)
-                raise UsageError(f"config: unknown key 'model.{key}'{hint}")
-        try:  # the model table must make a valid TransformerConfig
-            self.transformer_config(vocab_size=256, causal=True)
-        except (TypeError, ValueError) as e:
-            raise UsageError(f"config: [model]: {e}") from None
 
-    # ----------------------------------------------------------------- validation
     def _fail(self, name: str, expected: str) -> None:
-        raise UsageError(
-            f"config: '{name}' must be {expected}, got {getattr(self, name)!r} "
-            f"(fix it in the config file or with --set {name}=...)"
-        )
-
-    def _check_types(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            kind = _FIELD_TYPES[f.name]
-            optional = f.name in ("data", "out", "eval_batch_size")
-            if value is None and optional:
-                continue
-            if kind is float and isinstance(value, int) and not isinstance(value, bool):
-                setattr(self, f.name, float(value))
-                continue
-            if kind is int and isinstance(value, bool):
-                ok = False
-            elif kind == "betas":
-                ok = isinstance(value, (list, tuple)) and all(
-                    isinstance(b, (int, float)) and not isinstance(b, bool) for b in value
-                )
-                if ok:
-                    setattr(self, f.name, [float(b) for b in value])
-            else:
-                ok = isinstance(value, kind)
-            if not ok:
-                want = "list of 2 numbers" if kind == "betas" else kind.__name__
-                raise UsageError(
-                    f"config: '{f.name}' must be of type {want}{' or absent' if optional else ''}, "
-                    f"got {type(value).__name__} {value!r}"
-                )
-
-    # ----------------------------------------------------------------- derived
-    def transformer_config(
-        self, *, vocab_size: int, causal: bool, **extra: Any
-    ) -> TransformerConfig:
-        """The model's :class:`TransformerConfig` for a task with ``vocab_size`` tokens.
-
-        ``extra`` entries go into ``mixer_options`` when not already there (e.g. a task's ``grid``).
-        """
-        options = {**extra, **self.mixer_options}
-        return TransformerConfig(
-            vocab_size=vocab_size,
-            max_seq_len=self.seq_len,
-            mixer=self.mixer,
-            mixer_options=options,
-            causal=causal,
-            **self.model,
-        )
+        _fail(name, expected, getattr(self, name))
 
     # ----------------------------------------------------------------- serialisation
     def to_dict(self) -> dict[str, Any]:
-        """A JSON/TOML-serialisable dict of every field."""
-        return json.loads(json.dumps(dataclasses.asdict(self)))
+        """Every field as a JSON/TOML-serialisable dict in the config file's layout.
+
+        ``seq_len``, ``mixer`` and ``mixer_options`` at the top level, the other model fields
+        (but the task's ``vocab_size`` and ``causal``) in ``model``.
+        """
+        model = dataclasses.asdict(self.model)
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            if f.name == "model":
+                out.update({key: model.pop(name) for key, name in _ON_TOP.items()})
+                out["model"] = {k: v for k, v in model.items() if k not in _FROM_TASK}
+            else:
+                out[f.name] = getattr(self, f.name)
+        return json.loads(json.dumps(out))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
-        """Build from :meth:`to_dict` output; an unknown key raises :class:`UsageError`."""
+        """Build from the config file's layout (:meth:`to_dict`, a TOML file, an older run's
+        ``config.toml``); a ``[model]`` key not given takes :func:`default_model`'s value.
+
+        Raises:
+            UsageError: an unknown or misplaced key (the message says what to write), a value
+                of the wrong type, an invalid value.
+        """
         if not isinstance(data, dict):
             raise UsageError(f"config: expected a table of settings, got {type(data).__name__}")
-        known = [f.name for f in dataclasses.fields(cls)]
-        for key in data:
-            if key not in known:
-                raise UsageError(f"config: unknown key '{key}'{_close(key, known)}")
         data = dict(data)
         for table in ("model", *_FREE_TABLES):
             if table in data and not isinstance(data[table], dict):
                 raise UsageError(f"config: '{table}' must be a table, got {data[table]!r}")
-        return cls(**data)
+        for path in [[key] for key in data] + [["model", key] for key in data.get("model", {})]:
+            problem = _key_problem(path)
+            if problem:
+                raise UsageError(f"config: {problem}")
+        model = dict(data.pop("model", {}))
+        hints = typing.get_type_hints(TransformerConfig)
+        for key, name in _ON_TOP.items():
+            if key in data:
+                model[name] = _typed(key, data.pop(key), hints[name])
+        if model.get("max_seq_len", 1) <= 0:
+            _fail("seq_len", "> 0", model["max_seq_len"])
+        try:
+            model_config = dataclasses.replace(default_model(), **model)
+        except (TypeError, ValueError) as e:
+            raise UsageError(f"config: [model]: {e}") from None
+        return cls(model=model_config, **data)
 
     def replace(self, **changes: Any) -> TrainConfig:
-        """A validated copy with ``changes`` applied."""
-        return TrainConfig.from_dict({**self.to_dict(), **changes})
+        """A validated copy with ``changes``: fields, or ``seq_len``/``mixer``/``mixer_options``
+        (which change ``model``, the given one or this one)."""
+        on_top = {_ON_TOP[key]: changes.pop(key) for key in list(changes) if key in _ON_TOP}
+        if on_top:
+            try:
+                changes["model"] = dataclasses.replace(changes.get("model", self.model), **on_top)
+            except (TypeError, ValueError) as e:
+                raise UsageError(f"config: {e}") from None
+        return dataclasses.replace(self, **changes)
 
 
-_FIELD_TYPES: dict[str, Any] = {
-    "task": str,
-    "data": str,
-    "task_options": dict,
-    "seq_len": int,
-    "mixer": str,
-    "mixer_options": dict,
-    "model": dict,
-    "batch_size": int,
-    "grad_accum": int,
-    "lr": float,
-    "min_lr": float,
-    "warmup": int,
-    "steps": int,
-    "weight_decay": float,
-    "betas": "betas",
-    "grad_clip": float,
-    "eval_interval": int,
-    "eval_batches": int,
-    "eval_batch_size": int,
-    "test_batches": int,
-    "checkpoint_interval": int,
-    "keep_last": int,
-    "log_interval": int,
-    "sample_tokens": int,
-    "seed": int,
-    "precision": str,
-    "compile": bool,
-    "parallel": str,
-    "device": str,
-    "log": str,
-    "out": str,
-}
+def _fail(name: str, expected: str, got: Any) -> None:
+    raise UsageError(
+        f"config: '{name}' must be {expected}, got {got!r} "
+        f"(fix it in the config file or with --set {name}=...)"
+    )
+
+
+def _typed(name: str, value: Any, hint: Any) -> Any:
+    """``value`` as the annotation ``hint`` takes it (an int for a float becomes a float, a
+    tuple for a list a list); :class:`UsageError` naming ``name`` when it does not fit."""
+    try:
+        return _coerce(value, hint)
+    except TypeError:
+        raise UsageError(
+            f"config: '{name}' must be of type {_type_name(hint)}, got "
+            f"{type(value).__name__} {value!r}"
+        ) from None
+
+
+def _coerce(value: Any, hint: Any) -> Any:
+    origin, args = typing.get_origin(hint) or hint, typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        for arg in args:
+            try:
+                return _coerce(value, arg)
+            except TypeError:
+                pass
+        raise TypeError
+    if hint is Any:
+        return value
+    if origin is type(None) and value is None:
+        return None
+    if isinstance(value, bool) and origin in (int, float):
+        raise TypeError
+    if origin is float and isinstance(value, int):
+        return float(value)
+    if origin is list and isinstance(value, tuple):
+        value = list(value)
+    if not isinstance(value, origin):
+        raise TypeError
+    return [_coerce(v, args[0]) for v in value] if origin is list else value
+
+
+def _type_name(hint: Any) -> str:
+    origin, args = typing.get_origin(hint) or hint, typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        return " or ".join("absent" if a is type(None) else _type_name(a) for a in args)
+    if origin is list:
+        return f"list of {_type_name(args[0])}"
+    return getattr(origin, "__name__", str(hint))
+
+
+def _key_problem(path: list[str]) -> str | None:
+    """What is wrong with the dotted key ``path`` of a config (one line), or None."""
+    known = [f.name for f in dataclasses.fields(TrainConfig)] + list(_ON_TOP)
+    head, sub = path[0], ".".join(path[1:])
+    if head not in known:
+        return _unknown(head, known)
+    if not sub:
+        return None
+    if head in _FREE_TABLES:
+        return None
+    if head != "model":
+        return f"'{head}' is not a table; use --set {head}=VALUE"
+    top = next((key for key, name in _ON_TOP.items() if name == path[1]), None)
+    if top is not None:
+        return (
+            f"'model.{path[1]}' is written '{top}', at the top level ({top} = ... in the "
+            f"file, --set {top}=... on the command line)"
+        )
+    if path[1] in _FROM_TASK:
+        return f"unknown key 'model.{path[1]}' (it is set by the task)"
+    model_keys = [f.name for f in dataclasses.fields(TransformerConfig)]
+    model_keys = [k for k in model_keys if k not in (*_ON_TOP.values(), *_FROM_TASK)]
+    return None if sub in model_keys else _unknown(f"model.{sub}", model_keys, near=sub)
+
+
+def _unknown(key: str, known: list[str], *, near: str | None = None) -> str:
+    hint = did_you_mean(near or key, known).rstrip()
+    return f"unknown key '{key}'; {hint or 'known keys: ' + ', '.join(sorted(known))}"
 
 
 #: Fields that may differ from the checkpoint's config on ``--resume``: they do not change
@@ -352,6 +404,10 @@ def resume_conflicts(saved: dict[str, Any], config: TrainConfig) -> list[str]:
         One ``"lr is 0.002 there but 0.01 here"`` per differing (dotted) key; empty when the
         run may be resumed with ``config``.
     """
+    try:  # an older version's layout (a partial [model] table) reads as this one's
+        saved = TrainConfig.from_dict(saved).to_dict()
+    except UsageError:
+        pass  # compared as it is
     new = config.to_dict()
     out = []
     for key in sorted(set(saved) | set(new)):
@@ -388,45 +444,45 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return path, value
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``--set`` overrides to a config dict; unknown keys raise :class:`UsageError`."""
+def apply_overrides(
+    data: dict[str, Any], overrides: list[str], *, values: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Set ``values`` (top-level keys, e.g. ``{"mixer": "aft-local"}`` from the CLI's flags),
+    then the ``--set`` ``overrides``, in a config dict (the file's layout).
+
+    Raises:
+        UsageError: an unknown or misplaced key, or a dotted key into a value that is not a
+            table.
+    """
     out = json.loads(json.dumps(data))
-    known = [f.name for f in dataclasses.fields(TrainConfig)]
-    for text in overrides:
-        path, value = parse_override(text)
-        head = path[0]
-        if head not in known:
-            raise UsageError(f"--set {text!r}: unknown key '{head}'{_close(head, known)}")
-        if len(path) == 1:
-            out[head] = value
-            continue
-        if head == "model":
-            if len(path) != 2 or path[1] not in MODEL_KEYS:
-                sub = ".".join(path[1:])
-                raise UsageError(
-                    f"--set {text!r}: unknown key 'model.{sub}'{_close(sub, MODEL_KEYS)}"
-                )
-        elif head not in _FREE_TABLES:
-            raise UsageError(f"--set {text!r}: '{head}' is not a table; use --set {head}=VALUE")
-        node = (
-            out.setdefault(head, {})
-            if head != "model"
-            else out.setdefault("model", dict(DEFAULT_MODEL))
-        )
-        for k in path[1:-1]:
+    items = [([key], value, f"--{key}") for key, value in (values or {}).items()]
+    items += [(*parse_override(text), f"--set {text!r}") for text in overrides]
+    for path, value, where in items:
+        problem = _key_problem(path)
+        if problem:
+            raise UsageError(f"{where}: {problem}")
+        node = out
+        for k in path[:-1]:
             node = node.setdefault(k, {})
             if not isinstance(node, dict):
-                raise UsageError(f"--set {text!r}: '{k}' is not a table")
+                raise UsageError(f"{where}: '{k}' is not a table")
         node[path[-1]] = value
     return out
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
-    """Read a TOML (or JSON) config file, apply ``--set`` overrides and validate.
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    *,
+    values: dict[str, Any] | None = None,
+) -> TrainConfig:
+    """Read a TOML (or JSON) config file, apply ``values`` and ``--set`` overrides, validate.
 
     Args:
         path: a ``.toml`` or ``.json`` file; ``None`` starts from the defaults.
         overrides: ``key=value`` strings (see :func:`parse_override`).
+        values: top-level settings as they are (the CLI's ``--mixer``, ``--steps``, ...),
+            applied before ``overrides``.
 
     Raises:
         UsageError: missing or malformed file, unknown key, invalid value.
@@ -444,10 +500,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                 f"config file {str(p)!r} is not valid {'JSON' if p.suffix == '.json' else 'TOML'}: "
                 f"{e}"
             ) from None
-    data = apply_overrides(data, overrides or [])
-    if "model" in data and not isinstance(data["model"], dict):
-        raise UsageError(f"config: 'model' must be a table, got {data['model']!r}")
-    return TrainConfig.from_dict(data)
+    return TrainConfig.from_dict(apply_overrides(data, overrides or [], values=values))
 
 
 # --------------------------------------------------------------------------- writing TOML
@@ -470,7 +523,8 @@ def _toml_value(v: Any) -> str:
 def to_toml(config: TrainConfig) -> str:
     """The config as TOML that :func:`load_config` reads back to an equal config.
 
-    ``None`` fields (``data``, ``out``, ``eval_batch_size`` when unset) are written as comments.
+    ``None`` fields (``data``, ``out``, ``eval_batch_size``, ``model.d_ff``, ... when unset) are
+    written as comments.
     """
     d = config.to_dict()
     lines = []
@@ -484,5 +538,8 @@ def to_toml(config: TrainConfig) -> str:
             lines.append(f"{k} = {_toml_value(v)}")
     for name, table in tables.items():
         lines.append(f"\n[{name}]")
-        lines.extend(f"{json.dumps(k)} = {_toml_value(v)}" for k, v in table.items())
+        lines.extend(
+            f"# {k} = (unset)" if v is None else f"{json.dumps(k)} = {_toml_value(v)}"
+            for k, v in table.items()
+        )
     return "\n".join(lines) + "\n"

@@ -39,6 +39,7 @@ from torch import nn
 
 from .. import kernels
 from .._json import dumps
+from ..data.base import IGNORE_INDEX, count_correct
 from .build import build_model, build_task, model_config_for, task_info
 from .checkpoint import (
     LOCK_FILE,
@@ -73,9 +74,6 @@ __all__ = [
     "DistInfo",
     "peak_memory_bytes",
 ]
-
-IGNORE_INDEX = -100
-
 
 # --------------------------------------------------------------------------- devices, processes
 
@@ -142,20 +140,21 @@ def _max_rss_bytes() -> int:
 
 
 def forward_batch(
-    model: nn.Module, batch: dict[str, torch.Tensor], *, pixels: bool = False
+    model: nn.Module, batch: dict[str, torch.Tensor], *, wrapper: nn.Module | None = None
 ) -> torch.Tensor:
     """Logits ``(B, T, V)`` (language and pixel models) or ``(B, C)`` (classifiers) of a batch.
 
-    A language model or classifier reads ``batch["input"]``. A pixel model
-    (:class:`~aftlab.models.PixelTransformer`, ``pixels=True``) prepends its own learned start
-    token, so it reads the pixels themselves, ``batch["target"]`` (a pixel task's input is the
-    same pixels shifted right by one); ``logits[:, t]`` predicts pixel ``t`` from pixels ``< t``.
+    Every model says which entries of a task batch its ``forward`` reads: ``model(
+    **model.batch_input(batch))`` (a language model or classifier ``batch["input"]`` and its
+    padding mask, a :class:`~aftlab.models.PixelTransformer` the pixels ``batch["target"]``).
+
+    Args:
+        model: the model (plain, or sharded in place by FSDP).
+        batch: a task batch, ``input`` and ``target`` ``(B, T)``.
+        wrapper: called instead of ``model`` with the same arguments: its ``torch.compile`` or
+            DDP wrapper.
     """
-    if pixels:
-        return model(batch["target"])
-    if "padding_mask" in batch:
-        return model(batch["input"], padding_mask=batch["padding_mask"])
-    return model(batch["input"])
+    return (model if wrapper is None else wrapper)(**model.batch_input(batch))
 
 
 def nll_sum(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,8 +194,6 @@ def evaluate(
         ``{"loss": mean nll in nats, task.metric: value, "targets": scored targets}``; the bits
         metrics are ``loss / ln 2``, accuracy is correct / scored arg-max predictions.
     """
-    from ..data.base import count_correct
-
     device = torch.device(device)
     was_training = model.training
     model.eval()
@@ -205,7 +202,7 @@ def evaluate(
         for batch in task.eval_batches(split, batch_size=batch_size, max_batches=max_batches):
             batch = {k: v.to(device) for k, v in batch.items()}
             with _autocast(device, precision):
-                logits = forward_batch(model, batch, pixels=_is_pixel_task(task))
+                logits = forward_batch(model, batch)
             s, n = nll_sum(logits, batch["target"])
             total += float(s)
             count += int(n)
@@ -326,7 +323,6 @@ class Trainer:
         self.micro = per_rank // cfg.grad_accum
         self.task = build_task(cfg)
         self.task_info = task_info(self.task)
-        self._pixels = _is_pixel_task(self.task)
         self.model_config = model_config_for(cfg, self.task)
         torch.manual_seed(cfg.seed)
         np.random.seed(cfg.seed)
@@ -490,7 +486,7 @@ class Trainer:
             sync = d.active and i < cfg.grad_accum - 1
             with no_grad_sync(self.train_model) if sync else nullcontext():
                 with _autocast(self.device, cfg.precision):
-                    logits = forward_batch(self.train_model, mb, pixels=self._pixels)
+                    logits = forward_batch(self.model, mb, wrapper=self.train_model)
                 s, _ = nll_sum(logits, mb["target"])
                 (s * (d.world_size / n_global.float())).backward()
             total += s.detach().double()
@@ -519,113 +515,44 @@ class Trainer:
         """
         self._run_lock: RunLock | None = None
         try:
-            return self._fit()
+            self._setup()
+            stopped = self._loop()
+            return stopped if stopped is not None else self._finish()
         finally:
             if self._run_lock is not None:
                 self._run_lock.release()
 
-    def _fit(self) -> dict[str, Any]:
-        self._setup()
+    def _loop(self) -> dict[str, Any] | None:
+        """Train to ``config.steps``, saving checkpoints; the stop record if it stopped early.
+
+        Returns:
+            None after the last step (its checkpoint saved), ``{"interrupted": True, "step"}``
+            after a signal (checkpoint saved), ``{"diverged": True, "step"}`` on a non-finite
+            loss or weights (nothing saved).
+        """
         cfg = self.config
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        baseline_rss = _max_rss_bytes()
+        self._baseline_rss = _max_rss_bytes()
         self._last_saved = self.step if self.resume and self.step > 0 else -1
-        start_step = self.step
-        self._metrics = (
-            open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
-            if self.dist.is_main
-            else None
-        )
-        self._tb = (
-            TensorBoardLog(self.run_dir, resumed_at=self.step)
-            if self.dist.is_main and cfg.log == "tensorboard"
-            else None
-        )
-        n_params = sum(p.numel() for p in self.model.parameters())
-        progress = Progress(
-            total=cfg.steps,
-            initial=self.step,
-            log_interval=cfg.log_interval,
-            stream=self.stream,
-            enabled=self.dist.is_main,
-        )
-        if self.step == 0 or not self.resume:
-            progress.write(
-                f"aftlab: training {cfg.mixer} on {cfg.task} ({n_params:,} parameters, "
-                f"{self.dist.world_size} process(es)"
-                f"{' ' + cfg.parallel if self.dist.active else ''}, device {self.device}) -> "
-                f"{self.run_dir}"
-            )
-        else:
-            progress.write(f"aftlab: resuming {self.run_dir} at step {self.step}/{cfg.steps}")
+        self._start_step, self._session_tokens0 = self.step, self.tokens_seen
+        self._train_time, self._loss = 0.0, float("nan")
+        self._open_logs()
+        progress = self._start_progress()
         handlers = {}
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 handlers[sig] = signal.signal(sig, self._on_signal)
-        train_time, loss = 0.0, float("nan")
-        session_tokens0 = self.tokens_seen
         try:
             while self.step < cfg.steps:
-                t0 = time.perf_counter()
-                loss = self._train_step()
-                if not math.isfinite(loss):
-                    raise _Diverged(self.step, f"the loss is {loss}")
-                dt = time.perf_counter() - t0
-                train_time += dt
-                tok_s = (self.tokens_seen - session_tokens0) / max(train_time, 1e-9)
-                self._log(
-                    {
-                        "step": self.step,
-                        "split": "train",
-                        "loss": loss,
-                        "lr": self._lr,
-                        "tokens": self.tokens_seen,
-                        "tokens_per_s": tok_s,
-                        "peak_memory_bytes": peak_memory_bytes(self.device, baseline_rss),
-                        "time": time.time(),
-                    }
-                )
-                progress.update(self.step, loss=loss, lr=self._lr, tokens_per_s=tok_s)
-                if (
-                    cfg.eval_interval
-                    and self.step % cfg.eval_interval == 0
-                    and self.step < cfg.steps
-                ):
-                    self._periodic_eval(progress)
-                stop = torch.tensor(float(self._stop_signal is not None), device=self.device)
-                if (
-                    float(self._all_reduce(stop, dist.ReduceOp.MAX if self.dist.active else None))
-                    > 0
-                ):
-                    path = self._save()
-                    progress.close()
-                    if self.dist.is_main:
-                        where = path or latest_checkpoint(self.run_dir)
-                        print(
-                            f"aftlab: interrupted at step {self.step}/{cfg.steps}; checkpoint "
-                            f"{where}; "
-                            f"continue with: aftlab train --resume --out {self.run_dir}",
-                            file=self.stream,
-                            flush=True,
-                        )
-                    return {"interrupted": True, "step": self.step}
+                self._logged_step(progress)
+                if self._stop_requested():
+                    return self._interrupted(progress)
                 if cfg.checkpoint_interval and self.step % cfg.checkpoint_interval == 0:
                     self._save()
             self._save()
         except _Diverged as e:
-            progress.close()
-            if self.dist.is_main:
-                last = latest_checkpoint(self.run_dir)
-                print(
-                    f"aftlab: error: training diverged at step {e.step}/{cfg.steps}: {e.reason}; "
-                    f"stopped without saving (last good checkpoint: "
-                    f"{last.name if last else 'none'}); lower lr (or raise warmup) and train "
-                    "into a new --out",
-                    file=self.stream,
-                    flush=True,
-                )
-            return {"diverged": True, "step": e.step}
+            return self._diverged(e, progress)
         finally:
             progress.close()
             for sig, h in handlers.items():
@@ -634,59 +561,163 @@ class Trainer:
                 self._metrics.close()
             if self._tb is not None:
                 self._tb.close()
-        summary: dict[str, Any] = {
-            "task": cfg.task,
-            "mixer": cfg.mixer,
-            "parameters": n_params,
-            "steps": self.step,
-            "train_loss": loss,
-            "tokens_seen": self.tokens_seen,
-            "train_tokens_per_s": (self.tokens_seen - session_tokens0) / train_time
-            if train_time
-            else None,
-            "train_time_s": train_time,
-            "peak_memory_bytes": peak_memory_bytes(self.device, baseline_rss),
-            "device": str(self.device),
-            "world_size": self.dist.world_size,
-            "metric": self.task.metric,
-            "resumed_from": start_step if self.resume else None,
-        }
+        return None
+
+    def _open_logs(self) -> None:
+        """Rank 0 appends to ``metrics.jsonl`` (and TensorBoard's); the other ranks log nothing."""
+        main = self.dist.is_main
+        path = self.run_dir / "metrics.jsonl"
+        self._metrics = open(path, "a", encoding="utf-8") if main else None
+        tensorboard = main and self.config.log == "tensorboard"
+        self._tb = TensorBoardLog(self.run_dir, resumed_at=self.step) if tensorboard else None
+
+    def _start_progress(self) -> Progress:
+        """The progress display, after a first line saying what is trained (or resumed)."""
+        cfg = self.config
+        progress = Progress(
+            total=cfg.steps,
+            initial=self.step,
+            log_interval=cfg.log_interval,
+            stream=self.stream,
+            enabled=self.dist.is_main,
+        )
+        if self.step == 0 or not self.resume:
+            n_params = sum(p.numel() for p in self.model.parameters())
+            progress.write(
+                f"aftlab: training {cfg.mixer} on {cfg.task} ({n_params:,} parameters, "
+                f"{self.dist.world_size} process(es)"
+                f"{' ' + cfg.parallel if self.dist.active else ''}, device {self.device}) -> "
+                f"{self.run_dir}"
+            )
+        else:
+            progress.write(f"aftlab: resuming {self.run_dir} at step {self.step}/{cfg.steps}")
+        return progress
+
+    def _logged_step(self, progress: Progress) -> None:
+        """One optimizer step, its metrics line and progress, and the periodic evaluation."""
+        cfg = self.config
+        t0 = time.perf_counter()
+        loss = self._train_step()
+        if not math.isfinite(loss):
+            raise _Diverged(self.step, f"the loss is {loss}")
+        self._train_time += time.perf_counter() - t0
+        self._loss = loss
+        tok_s = (self.tokens_seen - self._session_tokens0) / max(self._train_time, 1e-9)
+        self._log(
+            {
+                "step": self.step,
+                "split": "train",
+                "loss": loss,
+                "lr": self._lr,
+                "tokens": self.tokens_seen,
+                "tokens_per_s": tok_s,
+                "peak_memory_bytes": peak_memory_bytes(self.device, self._baseline_rss),
+                "time": time.time(),
+            }
+        )
+        progress.update(self.step, loss=loss, lr=self._lr, tokens_per_s=tok_s)
+        if cfg.eval_interval and self.step % cfg.eval_interval == 0 and self.step < cfg.steps:
+            self._periodic_eval(progress)
+
+    def _stop_requested(self) -> bool:
+        """Whether any rank received SIGINT/SIGTERM (every rank gets the same answer)."""
+        stop = torch.tensor(float(self._stop_signal is not None), device=self.device)
+        return float(self._all_reduce(stop, dist.ReduceOp.MAX if self.dist.active else None)) > 0
+
+    def _interrupted(self, progress: Progress) -> dict[str, Any]:
+        """Save a checkpoint after a signal and say how to continue."""
+        path = self._save()
+        progress.close()
+        if self.dist.is_main:
+            print(
+                f"aftlab: interrupted at step {self.step}/{self.config.steps}; checkpoint "
+                f"{path or latest_checkpoint(self.run_dir)}; "
+                f"continue with: aftlab train --resume --out {self.run_dir}",
+                file=self.stream,
+                flush=True,
+            )
+        return {"interrupted": True, "step": self.step}
+
+    def _diverged(self, e: _Diverged, progress: Progress) -> dict[str, Any]:
+        """Say where a non-finite loss or weights stopped the run (nothing is saved)."""
+        progress.close()
+        if self.dist.is_main:
+            last = latest_checkpoint(self.run_dir)
+            print(
+                f"aftlab: error: training diverged at step {e.step}/{self.config.steps}: "
+                f"{e.reason}; stopped without saving (last good checkpoint: "
+                f"{last.name if last else 'none'}); lower lr (or raise warmup) and train "
+                "into a new --out",
+                file=self.stream,
+                flush=True,
+            )
+        return {"diverged": True, "step": e.step}
+
+    # ----------------------------------------------------------------- the finish
+    def _finish(self) -> dict[str, Any]:
+        """After the last step: test evaluation, ``summary.json``, the result line, a sample."""
+        cfg = self.config
+        summary = self._summary()
         if self.dist.is_main or self._sharded:  # a sharded forward needs every rank
             test = self.evaluate("test", cfg.test_batches or None)
         if self.dist.is_main:
-            summary.update(
-                {"test_loss": test["loss"], "test_" + self.task.metric: test[self.task.metric]}
-            )
+            metric = self.task.metric
+            summary.update({"test_loss": test["loss"], "test_" + metric: test[metric]})
             atomic_write_text(self.run_dir / "summary.json", dumps(summary, indent=2))
             print(
-                f"test {self.task.metric}: {test[self.task.metric]:.4f}  (loss "
-                f"{test['loss']:.4f} nats, "
-                f"{test['targets']:,} targets; {format_duration(train_time)} of training, "
+                f"test {metric}: {test[metric]:.4f}  (loss {test['loss']:.4f} nats, "
+                f"{test['targets']:,} targets; {format_duration(self._train_time)} of training, "
                 f"{summary['train_tokens_per_s'] or 0:,.0f} tok/s)",
                 file=self.out,
                 flush=True,
             )
-            if (
-                cfg.sample_tokens
-                and hasattr(self.task, "decode")
-                and self.task_info["image_shape"] is None
-                and self.task.kind == "lm"
-            ):
-                from .sampling import sample_text
-
-                print("--- sample ---", file=self.out, flush=True)
-                sample_text(
-                    self._unsharded_model(),
-                    self.task,
-                    prompt=None,
-                    tokens=cfg.sample_tokens,
-                    temperature=0.8,
-                    top_k=None,
-                    seed=cfg.seed,
-                    out=self.out,
-                )
+            self._sample()
         self._barrier()
         return summary
+
+    def _summary(self) -> dict[str, Any]:
+        """What the run did (``summary.json`` before the test figures are added)."""
+        cfg, train_time = self.config, self._train_time
+        tokens = self.tokens_seen - self._session_tokens0
+        return {
+            "task": cfg.task,
+            "mixer": cfg.mixer,
+            "parameters": sum(p.numel() for p in self.model.parameters()),
+            "steps": self.step,
+            "train_loss": self._loss,
+            "tokens_seen": self.tokens_seen,
+            "train_tokens_per_s": tokens / train_time if train_time else None,
+            "train_time_s": train_time,
+            "peak_memory_bytes": peak_memory_bytes(self.device, self._baseline_rss),
+            "device": str(self.device),
+            "world_size": self.dist.world_size,
+            "metric": self.task.metric,
+            "resumed_from": self._start_step if self.resume else None,
+        }
+
+    def _sample(self) -> None:
+        """Rank 0 prints ``sample_tokens`` of text from a language model of a text task."""
+        cfg = self.config
+        if not (
+            cfg.sample_tokens
+            and hasattr(self.task, "decode")
+            and self.task_info["image_shape"] is None
+            and self.task.kind == "lm"
+        ):
+            return
+        from .sampling import sample_text
+
+        print("--- sample ---", file=self.out, flush=True)
+        sample_text(
+            self._unsharded_model(),
+            self.task,
+            prompt=None,
+            tokens=cfg.sample_tokens,
+            temperature=0.8,
+            top_k=None,
+            seed=cfg.seed,
+            out=self.out,
+        )
 
     def _periodic_eval(self, progress: Progress) -> None:
         if self.dist.is_main or self._sharded:  # a sharded forward needs every rank
@@ -720,11 +751,6 @@ class Trainer:
         ckpt = latest_checkpoint(self.run_dir)
         load_checkpoint(ckpt, model, map_location=self.device, with_state=False)
         return model
-
-
-def _is_pixel_task(task: Any) -> bool:
-    """An autoregressive image task: modelled by a PixelTransformer (see :func:`forward_batch`)."""
-    return task.kind == "lm" and getattr(task, "image_shape", None) is not None
 
 
 def _jsonable(obj: Any) -> Any:

@@ -111,21 +111,18 @@ template <typename T>
 constexpr T FLOOR = std::is_same_v<T, double> ? T(0x1p-600) : T(0x1p-64);
 constexpr double BIG = 0x1p20;
 
-// x > 0 finite normal as f 2^e with f in [1, 2): returns e, sets f.
-inline int split2(float x, float& f) {
-  uint32_t b;
-  std::memcpy(&b, &x, 4);
-  const int e = static_cast<int>((b >> 23) & 0xff) - 127;
-  b = (b & 0x807fffffu) | 0x3f800000u;
-  std::memcpy(&f, &b, 4);
-  return e;
-}
-inline int split2(double x, double& f) {
-  uint64_t b;
-  std::memcpy(&b, &x, 8);
-  const int e = static_cast<int>((b >> 52) & 0x7ff) - 1023;
-  b = (b & 0x800fffffffffffffull) | 0x3ff0000000000000ull;
-  std::memcpy(&f, &b, 8);
+// x > 0 finite normal as f 2^e with f in [1, 2): returns e, sets f. The bit layout of float
+// (23 mantissa bits, exponent bias 127) or double (52, 1023).
+template <typename T>
+inline int split2(T x, T& f) {
+  using U = std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>;
+  constexpr int M = std::numeric_limits<T>::digits - 1;
+  constexpr U bias = std::numeric_limits<T>::max_exponent - 1, field = 2 * bias + 1;
+  U b;
+  std::memcpy(&b, &x, sizeof b);
+  const int e = static_cast<int>((b >> M) & field) - static_cast<int>(bias);
+  b = (b & ~(field << M)) | (bias << M);
+  std::memcpy(&f, &b, sizeof b);
   return e;
 }
 
@@ -180,6 +177,19 @@ template <typename T>
 inline void vmax(T* vm, const T* v, T sc, int64_t cn) {
   #pragma omp simd
   for (int64_t c = 0; c < cn; ++c) vm[c] = std::max(vm[c], std::abs(v[c] * sc));
+}
+
+// Key t (keys k, one per key channel) raises the shift b of the channels it exceeds: the ring
+// rows of the valid keys u in [t - lo, t) are redone (put) on those channels.
+template <typename T, typename Valid, typename Put>
+inline void raise_shift(const T* k, double* bsh, int64_t nk, int64_t t, int64_t lo,
+                        const Valid& valid, const Put& put) {
+  for (int64_t c = 0; c < nk; ++c) {
+    if (!(k[c] > bsh[c])) continue;
+    bsh[c] = k[c];
+    for (int64_t u = std::max<int64_t>(0, t - lo); u < t; ++u)
+      if (valid(u)) put(u, c, c + 1);
+  }
 }
 
 // y = sigma(q) 2^e clamp(num / den, +-vm): the scaled average back to the values' range.
@@ -329,14 +339,8 @@ void band_fwd(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
           fold<T, BC>(K + kx(tp), V + vx(tp), sc, nk, cn, m.data(), s.data(), n.data(), a.data(),
                       w.data());
         if (geo.causal && valid(t)) vmax(vm.data(), V + vx(t), sc, cn);  // the keys t' <= t
-        if (!BC && geo.causal && valid(t)) {  // key t raises b: redo the ring rows of its channels
-          const T* k = K + kx(t);
-          for (int64_t c = 0; c < nk; ++c) {
-            if (!(k[c] > bsh[c])) continue;
-            bsh[c] = k[c];
-            for (int64_t u = std::max<int64_t>(0, t - lo); u < t; ++u)
-              if (valid(u)) put(u, c, c + 1);
-          }
+        if (!BC && geo.causal && valid(t)) {
+          raise_shift(K + kx(t), bsh.data(), nk, t, lo, valid, put);
           put(t, 0, nk);
         } else if (!BC && !geo.causal && t + hi < Tn && valid(t + hi)) {
           put(t + hi, 0, nk);
@@ -635,14 +639,8 @@ void band_bwd(const T* __restrict__ GY, const T* __restrict__ Q, const T* __rest
           }
         };
         for (int64_t t = -hi; t < Tn + lo; ++t) {
-          if (geo.causal && t < Tn && valid(t)) {  // key t enters; where it raises b, redo rows
-            const T* k = K + kx(t);
-            for (int64_t c = 0; c < nk; ++c) {
-              if (!(k[c] > bsh[c])) continue;
-              bsh[c] = k[c];
-              for (int64_t u = std::max<int64_t>(0, t - lo); u < t; ++u)
-                if (valid(u)) put(u, c, c + 1);
-            }
+          if (geo.causal && t < Tn && valid(t)) {  // key t enters
+            raise_shift(K + kx(t), bsh.data(), nk, t, lo, valid, put);
             enter(t);
           } else if (!geo.causal && t + hi < Tn && valid(t + hi)) {
             enter(t + hi);

@@ -123,6 +123,8 @@ class AFTMixer(SequenceMixer):
         result ``(..., d)`` back to ``(..., d)``.
     """
 
+    parallel_prefill = True
+
     def __init__(self, *, key_dim: int | None = None, **common) -> None:
         super().__init__(**common)
         d = self.d_model

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..._checks import check_positive_int
-from ...ops.aft_conv import aft_conv, aft_conv2d
+from ...ops.aft_conv import _aft_conv, _aft_conv2d
 from ..registry import register_mixer
 from .common import AFTMixer
 
@@ -69,6 +69,8 @@ class AFTConvMixer(AFTMixer):
         >>> m(torch.randn(2, 10, 32)).shape
         torch.Size([2, 10, 32])
     """
+
+    options_from_task = ("grid",)
 
     def __init__(
         self, *, kernel_size: int = 31, grid: tuple[int, int] | None = None, **common
@@ -135,23 +137,18 @@ class AFTConvMixer(AFTMixer):
             w.to(dt),
         )
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        *,
-        padding_mask: torch.Tensor | None = None,
-        return_state: bool = False,
+    def _forward(
+        self, x: torch.Tensor, padding_mask: torch.Tensor | None, return_state: bool
     ) -> torch.Tensor | tuple[torch.Tensor, AFTConvState]:
         """``x: (B, T, d_model)`` -> ``(B, T, d_model)``; ``padding_mask: (B, T)``, True = real.
 
         ``return_state=True`` (causal) also returns the state after the ``T`` tokens, from this
         pass's keys and values: see :meth:`_state_after`.
         """
-        x, padding_mask = self._check_input(x, padding_mask, return_state=return_state)
         B, T, d = x.shape
         q, k, v, w = self._heads(*self.project(x))
         if self.grid is None:
-            y = aft_conv(q, k, v, w, causal=self.causal, padding_mask=padding_mask)
+            y = _aft_conv(q, k, v, w, causal=self.causal, padding_mask=padding_mask)
         else:
             H, W = self.grid
             if T != H * W:
@@ -161,7 +158,7 @@ class AFTConvMixer(AFTMixer):
                     f"H * W = {H * W} for grid {self.grid}"
                 )
             grid_mask = None if padding_mask is None else padding_mask.reshape(B, H, W)
-            y = aft_conv2d(
+            y = _aft_conv2d(
                 *(t.reshape(B, H, W, *t.shape[2:]) for t in (q, k, v)), w, padding_mask=grid_mask
             )
         out = self.output(y.reshape(B, T, d).to(x.dtype), padding_mask)
@@ -177,7 +174,7 @@ class AFTConvMixer(AFTMixer):
         """
         B, T, _ = k.shape
         s = self.kernel_size
-        state = self.init_state(B, device=k.device, dtype=dtype)
+        state = self._init_state(B, k.device, dtype)
         cdt = state.v_buf.dtype
         k, v = k.to(torch.float64), v.to(cdt)
         gone = max(0, T - s)
@@ -191,22 +188,11 @@ class AFTConvMixer(AFTMixer):
         return state
 
     # ----------------------------------------------------------------- decoding
-    def init_state(
-        self,
-        batch_size: int,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
+    def _init_state(
+        self, batch_size: int, device: torch.device | str, dtype: torch.dtype
     ) -> AFTConvState:
         """Empty state: no tokens outside the footprint (``L = -inf``), an empty ring buffer."""
-        where = type(self).__name__
-        if not self.causal:
-            raise RuntimeError(
-                f"{where}: init_state() needs a causal mixer; this one has causal=False"
-            )
-        B = check_positive_int(where, "batch_size", batch_size)
-        device = self.weight.device if device is None else device
-        dtype = self.weight.dtype if dtype is None else dtype
+        B = batch_size
         cdt = torch.float64 if dtype == torch.float64 else torch.float32
         h, s = self.n_heads, self.kernel_size
         c = self.d_model // h
@@ -218,7 +204,7 @@ class AFTConvMixer(AFTMixer):
             v_buf=torch.zeros(B, s, h, c, device=device, dtype=cdt),
         )
 
-    def step(self, x: torch.Tensor, state: AFTConvState) -> tuple[torch.Tensor, AFTConvState]:
+    def _step(self, x: torch.Tensor, state: AFTConvState) -> tuple[torch.Tensor, AFTConvState]:
         r"""One token at position ``t = state.pos``; equals row ``t`` of the causal :meth:`forward`.
 
         Evicts token ``t - s`` from the ring buffer into the running sums
@@ -227,7 +213,6 @@ class AFTConvMixer(AFTMixer):
         ``Y_t = sigma(Q_t) [e^{L-m} A + sum_j e^{K_{t-s+1+j} + w_{j+1} - m} V] /
         [e^{L-m} + sum_j e^{K + w - m}]`` with ``m`` the maximum exponent: ``O(s d)`` work.
         """
-        x = self._check_step_input(x)
         B = x.shape[0]
         s, t = self.kernel_size, state.pos
         q, k, v, w = self._heads(*self.project(x))  # (B, h, c), (B, h, 1), (B, h, c), (h, s)

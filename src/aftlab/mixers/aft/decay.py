@@ -12,14 +12,18 @@ Initialisation (RWKV-4): channel ``i`` of layer ``l`` of ``n_layers`` gets
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from ..._checks import check_positive_int
-from ...ops.aft_decay import aft_decay
+from ...ops.aft_decay import _aft_decay
 from ..registry import register_mixer
 from .common import AFTMixer, RunningSums, state_dtype
+
+if TYPE_CHECKING:
+    from ...models.config import TransformerConfig
 
 __all__ = ["AFTDecay", "AFTDecayState"]
 
@@ -47,14 +51,11 @@ class AFTDecay(AFTMixer):
     """AFT-decay token mixer (causal only).
 
     Args:
-        d_model: model width ``d``.
-        causal: must be True (a ``ValueError`` otherwise).
-        dropout: dropout on the output projection.
-        bias: biases in the projections.
+        causal: must be True, the default here (a ``ValueError`` otherwise).
         layer_idx: index ``l`` of this layer, for the decay initialisation.
         n_layers: number of layers, for the decay initialisation.
-        n_heads: ignored (no heads).
-        max_seq_len: ignored (any length works).
+        **common: the other common arguments of :class:`~aftlab.mixers.SequenceMixer`;
+            ``n_heads`` and ``max_seq_len`` are ignored (no heads, any length).
 
     Attributes:
         time_decay: raw decay ``w_raw``, ``(d,)``; ``lambda = exp(w_raw)``.
@@ -65,25 +66,21 @@ class AFTDecay(AFTMixer):
         ``step``: ``x (B, d)`` -> ``(B, d)``.
     """
 
+    @classmethod
+    def from_config(cls, config: TransformerConfig, *, layer_idx: int = 0) -> AFTDecay:
+        """:meth:`SequenceMixer.from_config` plus ``layer_idx`` and ``config.n_layers``, for the
+        depth-dependent decay initialisation."""
+        return cls._from_config(config, layer_idx=layer_idx, n_layers=config.n_layers)
+
     def __init__(
-        self,
-        *,
-        d_model: int,
-        n_heads: int = 1,
-        causal: bool = True,
-        max_seq_len: int | None = None,
-        dropout: float = 0.0,
-        bias: bool = True,
-        layer_idx: int = 0,
-        n_layers: int = 1,
+        self, *, causal: bool = True, layer_idx: int = 0, n_layers: int = 1, **common
     ) -> None:
         if not causal:
             raise ValueError(
                 "AFTDecay: 'causal' must be True (aft-decay is causal only; use aft-simple, "
                 "aft-local, aft-conv or aft-full for a non-causal mixer), got False"
             )
-        # max_seq_len is not passed on: AFT-decay takes any length.
-        super().__init__(d_model=d_model, n_heads=n_heads, causal=True, dropout=dropout, bias=bias)
+        super().__init__(causal=True, **common)
         check_positive_int("AFTDecay", "n_layers", n_layers)
         check_positive_int("AFTDecay", "layer_idx", layer_idx, allow_zero=True)
         if layer_idx >= n_layers:
@@ -91,8 +88,8 @@ class AFTDecay(AFTMixer):
                 f"AFTDecay: 'layer_idx' must be < n_layers = {n_layers}, got {layer_idx}"
             )
         self.layer_idx, self.n_layers = layer_idx, n_layers
-        self.time_decay = nn.Parameter(torch.empty(d_model))
-        self.time_bonus = nn.Parameter(torch.empty(d_model))
+        self.time_decay = nn.Parameter(torch.empty(self.d_model))
+        self.time_bonus = nn.Parameter(torch.empty(self.d_model))
         self.reset_parameters()
 
     @torch.no_grad()
@@ -109,12 +106,8 @@ class AFTDecay(AFTMixer):
         """
         return torch.exp(self.time_decay.clamp(max=30.0))
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        *,
-        padding_mask: torch.Tensor | None = None,
-        return_state: bool = False,
+    def _forward(
+        self, x: torch.Tensor, padding_mask: torch.Tensor | None, return_state: bool
     ) -> torch.Tensor | tuple[torch.Tensor, AFTDecayState]:
         """``dropout(W^O aft_decay(X W^Q, X W^K, X W^V, lambda, u))``, ``(B, T, d)`` -> same.
 
@@ -122,10 +115,9 @@ class AFTDecay(AFTMixer):
         pass's keys and values with ``z_t' = K_t' - (T-1-t') lambda``: ``p = max_t' z_t'``,
         ``a = sum_t' e^{z_t' - p} V_t'``, ``b = sum_t' e^{z_t' - p}``.
         """
-        x, padding_mask = self._check_input(x, padding_mask, return_state=return_state)
         q, k, v = self.project(x)
         lam = self.decay()
-        y = aft_decay(q, k, v, lam, self.time_bonus, padding_mask=padding_mask)
+        y = _aft_decay(q, k, v, lam, self.time_bonus, padding_mask=padding_mask)
         out = self.output(y, padding_mask)
         if not return_state:
             return out
@@ -134,23 +126,13 @@ class AFTDecay(AFTMixer):
         z = k.to(sdt) - age[:, None] * lam.to(sdt)
         return out, RunningSums.from_tokens(z, v.to(sdt))
 
-    def init_state(
-        self,
-        batch_size: int,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
+    def _init_state(
+        self, batch_size: int, device: torch.device | str, dtype: torch.dtype
     ) -> AFTDecayState:
         """Empty state for ``batch_size`` sequences (float16/bfloat16 states stay in float32)."""
-        ref = self.time_decay
-        return RunningSums.empty(
-            batch_size,
-            self.d_model,
-            device=ref.device if device is None else device,
-            dtype=ref.dtype if dtype is None else dtype,
-        )
+        return RunningSums.empty(batch_size, self.d_model, device=device, dtype=dtype)
 
-    def step(self, x: torch.Tensor, state: AFTDecayState) -> tuple[torch.Tensor, AFTDecayState]:
+    def _step(self, x: torch.Tensor, state: AFTDecayState) -> tuple[torch.Tensor, AFTDecayState]:
         """One token ``x: (B, d)`` in ``O(d)`` (RWKV's WKV recurrence with its stability trick).
 
         Output: ``o = max(p, u + K_t)``,
@@ -159,7 +141,6 @@ class AFTDecay(AFTMixer):
         Update: ``p' = max(p - lambda, K_t)``, ``a' = e^{p-lambda-p'} a + e^{K_t-p'} V_t``,
         ``b' = e^{p-lambda-p'} b + e^{K_t-p'}``.
         """
-        x = self._check_step_input(x)
         q, k, v = self.project(x)
         sdt = state.a.dtype
         q, k, v = q.to(sdt), k.to(sdt), v.to(sdt)

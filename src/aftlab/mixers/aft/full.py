@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..._checks import check_positive_int
-from ...ops.aft_full import aft_full, compute_dtype
+from ...ops.aft_full import _aft_full, compute_dtype
 from ..registry import register_mixer
 from .common import AFTMixer
 
@@ -105,56 +105,41 @@ class AFTFull(AFTMixer):
         """The init hook: the position bias starts at 0 (:class:`PositionBias`)."""
         self.pos_bias.reset_parameters()
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        *,
-        padding_mask: torch.Tensor | None = None,
-        return_state: bool = False,
+    def _forward(
+        self, x: torch.Tensor, padding_mask: torch.Tensor | None, return_state: bool
     ) -> torch.Tensor | tuple[torch.Tensor, AFTFullState]:
         """``x: (B, T, d_model)`` with ``T <= T_max`` -> ``(B, T, d_model)``.
 
         ``return_state=True`` (causal) also returns the state after the ``T`` tokens: this
         pass's keys and values in slots ``[0, T)``.
         """
-        x, padding_mask = self._check_input(x, padding_mask, return_state=return_state)
         q, k, v = self.project(x)
         q, k, v, w = self.match_dtypes(q, k, v, self.pos_bias.matrix(x.shape[1]))
-        y = aft_full(q, k, v, w, causal=self.causal, padding_mask=padding_mask)
+        y = _aft_full(q, k, v, w, causal=self.causal, padding_mask=padding_mask)
         out = self.output(y, padding_mask)
         if not return_state:
             return out
-        state = self.init_state(x.shape[0], device=x.device, dtype=x.dtype)
+        state = self._init_state(x.shape[0], x.device, x.dtype)
         T = x.shape[1]
         state.k[:, :T], state.v[:, :T] = k, v  # cast to the state's dtype, as step() does
         state.t = T
         return out, state
 
-    def init_state(
-        self,
-        batch_size: int,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
+    def _init_state(
+        self, batch_size: int, device: torch.device | str, dtype: torch.dtype
     ) -> AFTFullState:
-        p = self.to_v.weight
+        """No keys or values yet: ``(B, T_max, d)`` zeros, float16/bfloat16 kept in float32."""
         shape = (batch_size, self.max_seq_len, self.d_model)
-        dt = compute_dtype(dtype or p.dtype)
-        return AFTFullState(torch.zeros(shape, device=device or p.device, dtype=dt),
-                            torch.zeros(shape, device=device or p.device, dtype=dt))
+        k = torch.zeros(shape, device=device, dtype=compute_dtype(dtype))
+        return AFTFullState(k, torch.zeros_like(k))
 
-    def step(self, x: torch.Tensor, state: AFTFullState) -> tuple[torch.Tensor, AFTFullState]:
+    def _step(self, x: torch.Tensor, state: AFTFullState) -> tuple[torch.Tensor, AFTFullState]:
         """One token ``x: (B, d_model)`` at position ``t``; ``O(t d)``::
 
             y_t = sigma(q_t) * sum_{t'<=t} softmax_t'(K_t' + w_{t,t'}) V_t'
         """
-        x = self._check_step_input(x)
         t = state.t
-        if t >= self.max_seq_len:
-            raise ValueError(
-                f"{type(self).__name__}: position {t} exceeds max_seq_len (T_max) = "
-                f"{self.max_seq_len}"
-            )
+        self._check_position(t)
         q, k, v = self.project(x)
         cd = state.k.dtype
         state.k[:, t], state.v[:, t] = k.to(cd), v.to(cd)

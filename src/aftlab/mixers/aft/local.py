@@ -8,13 +8,12 @@ import torch
 
 from ..._checks import check_positive_int
 from ...ops.aft_full import compute_dtype
-from ...ops.aft_local import aft_local_band, band_geometry
+from ...ops.aft_local import _aft_local_band, band_geometry
 from ..registry import register_mixer
 from .common import AFTMixer, shifted_sums
 from .full import PositionBias, require_max_seq_len
 
 __all__ = ["AFTLocal", "AFTLocalState"]
-
 
 
 @dataclass
@@ -84,24 +83,19 @@ class AFTLocal(AFTMixer):
             band = torch.stack([(u * vp[j : j + T]).sum(-1) for j in range(geo.W)], 1)
         return band.masked_fill(~inside, 0.0)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        *,
-        padding_mask: torch.Tensor | None = None,
-        return_state: bool = False,
+    def _forward(
+        self, x: torch.Tensor, padding_mask: torch.Tensor | None, return_state: bool
     ) -> torch.Tensor | tuple[torch.Tensor, AFTLocalState]:
         """``x: (B, T, d_model)`` with ``T <= T_max`` -> ``(B, T, d_model)``.
 
         ``return_state=True`` (causal) also returns the state after the ``T`` tokens, from this
         pass's keys and values: see :meth:`_state_after`.
         """
-        x, padding_mask = self._check_input(x, padding_mask, return_state=return_state)
         q, k, v = self.project(x)
         T = x.shape[1]
         w_band = self.band(T) if self.window > 0 and T > 0 else q.new_zeros(T, 1)
         q, k, v, w_band = self.match_dtypes(q, k, v, w_band)
-        y = aft_local_band(
+        y = _aft_local_band(
             q, k, v, w_band, self.window, causal=self.causal, padding_mask=padding_mask
         )
         out = self.output(y, padding_mask)
@@ -116,7 +110,7 @@ class AFTLocal(AFTMixer):
         the window, reduced in one pass.
         """
         B, T, _ = k.shape
-        state = self.init_state(B, device=k.device, dtype=k.dtype)
+        state = self._init_state(B, k.device, k.dtype)
         cd, s = state.num.dtype, state.k.shape[1]
         k, v = k.to(cd), v.to(cd)
         gone = max(0, T - s)
@@ -130,18 +124,14 @@ class AFTLocal(AFTMixer):
     def extra_repr(self) -> str:
         return super().extra_repr() + f", window={self.window}"
 
-    def init_state(
-        self,
-        batch_size: int,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
+    def _init_state(
+        self, batch_size: int, device: torch.device | str, dtype: torch.dtype
     ) -> AFTLocalState:
-        p = self.to_v.weight
-        dev, dt = device or p.device, compute_dtype(dtype or p.dtype)
+        """Nothing outside the window (``m = -inf``), an empty ring buffer of ``min(s, T_max)``."""
+        dt = compute_dtype(dtype)
         s = min(self.window, self.max_seq_len)
-        z = torch.zeros(batch_size, self.d_model, device=dev, dtype=dt)
-        buf = torch.zeros(batch_size, s, self.d_model, device=dev, dtype=dt)
+        z = torch.zeros(batch_size, self.d_model, device=device, dtype=dt)
+        buf = torch.zeros(batch_size, s, self.d_model, device=device, dtype=dt)
         return AFTLocalState(torch.full_like(z, float("-inf")), z, z.clone(), buf, buf.clone())
 
     def _fold(self, state: AFTLocalState, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -152,15 +142,10 @@ class AFTLocal(AFTMixer):
         state.den = state.den * old + new
         state.m = m
 
-    def step(self, x: torch.Tensor, state: AFTLocalState) -> tuple[torch.Tensor, AFTLocalState]:
+    def _step(self, x: torch.Tensor, state: AFTLocalState) -> tuple[torch.Tensor, AFTLocalState]:
         """One token ``x: (B, d_model)`` at position ``t``; ``O(s d)``."""
-        x = self._check_step_input(x)
         t = state.t
-        if t >= self.max_seq_len:
-            raise ValueError(
-                f"{type(self).__name__}: position {t} exceeds max_seq_len (T_max) = "
-                f"{self.max_seq_len}"
-            )
+        self._check_position(t)
         q, k, v = self.project(x)
         cd = state.num.dtype
         k, v = k.to(cd), v.to(cd)

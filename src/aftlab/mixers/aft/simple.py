@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ...ops.aft_simple import aft_simple
+from ...ops.aft_simple import _aft_simple
 from ..registry import register_mixer
 from .common import AFTMixer, RunningSums, state_dtype
 
@@ -24,40 +24,17 @@ AFTSimpleState = RunningSums
 class AFTSimple(AFTMixer):
     """AFT-simple token mixer (Zhai et al. 2021, Sec. 3.2).
 
-    Args:
-        d_model: model width ``d``.
-        causal: restrict every sum to ``t' <= t`` (and allow :meth:`step`).
-        dropout: dropout on the output projection.
-        bias: biases in the projections.
-        n_heads: ignored (AFT-simple has no heads).
-        max_seq_len: ignored (any length works).
+    Takes only the common arguments of :class:`~aftlab.mixers.SequenceMixer`; ``n_heads`` and
+    ``max_seq_len`` are ignored (no heads, any length). ``causal`` restricts every sum to
+    ``t' <= t`` (and allows :meth:`step`).
 
     Shapes:
         ``forward``: ``x (B, T, d)``, ``padding_mask (B, T)`` bool -> ``(B, T, d)``;
         ``step``: ``x (B, d)`` -> ``(B, d)``.
     """
 
-    def __init__(
-        self,
-        *,
-        d_model: int,
-        n_heads: int = 1,
-        causal: bool = False,
-        max_seq_len: int | None = None,
-        dropout: float = 0.0,
-        bias: bool = True,
-    ) -> None:
-        # max_seq_len is not passed on: AFT-simple takes any length.
-        super().__init__(
-            d_model=d_model, n_heads=n_heads, causal=causal, dropout=dropout, bias=bias
-        )
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        *,
-        padding_mask: torch.Tensor | None = None,
-        return_state: bool = False,
+    def _forward(
+        self, x: torch.Tensor, padding_mask: torch.Tensor | None, return_state: bool
     ) -> torch.Tensor | tuple[torch.Tensor, AFTSimpleState]:
         """``dropout(W^O aft_simple(X W^Q, X W^K, X W^V))``; ``x: (B, T, d)`` -> ``(B, T, d)``.
 
@@ -65,42 +42,26 @@ class AFTSimple(AFTMixer):
         from this pass's keys and values: ``p = max_t' K_t'``, ``a = sum_t' e^{K_t' - p} V_t'``,
         ``b = sum_t' e^{K_t' - p}``.
         """
-        x, padding_mask = self._check_input(x, padding_mask, return_state=return_state)
         q, k, v = self.project(x)
-        y = aft_simple(q, k, v, causal=self.causal, padding_mask=padding_mask)
+        y = _aft_simple(q, k, v, causal=self.causal, padding_mask=padding_mask)
         out = self.output(y, padding_mask)
         if not return_state:
             return out
         sdt = state_dtype(x.dtype)
         return out, RunningSums.from_tokens(k.to(sdt), v.to(sdt))
 
-    def init_state(
-        self,
-        batch_size: int,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
+    def _init_state(
+        self, batch_size: int, device: torch.device | str, dtype: torch.dtype
     ) -> AFTSimpleState:
         """Empty state for ``batch_size`` sequences (float16/bfloat16 states stay in float32)."""
-        if not self.causal:
-            raise RuntimeError(
-                "AFTSimple: init_state() needs a causal mixer; this one has causal=False"
-            )
-        ref = self.to_q.weight
-        return RunningSums.empty(
-            batch_size,
-            self.d_model,
-            device=ref.device if device is None else device,
-            dtype=ref.dtype if dtype is None else dtype,
-        )
+        return RunningSums.empty(batch_size, self.d_model, device=device, dtype=dtype)
 
-    def step(self, x: torch.Tensor, state: AFTSimpleState) -> tuple[torch.Tensor, AFTSimpleState]:
+    def _step(self, x: torch.Tensor, state: AFTSimpleState) -> tuple[torch.Tensor, AFTSimpleState]:
         """One token ``x: (B, d)``; ``O(d)`` work (RWKV's stability trick, no decay).
 
         ``p' = max(p, K_t)``, ``a' = e^{p - p'} a + e^{K_t - p'} V_t``,
         ``b' = e^{p - p'} b + e^{K_t - p'}``, ``Y_t = sigma(Q_t) * a' / b'``.
         """
-        x = self._check_step_input(x)
         q, k, v = self.project(x)
         sdt = state.a.dtype
         q, k, v = q.to(sdt), k.to(sdt), v.to(sdt)
