@@ -1,0 +1,75 @@
+"""Table and plot of an MQAR grid: test accuracy against T, one line per mixer and width.
+
+    python benchmarks/plot_mqar.py runs/mqar --out runs/mqar/accuracy_vs_T.png
+
+Reads ``OUT/d<D>-T<T>/results.json`` (``aftlab compare`` runs of benchmarks/mqar.sh; a cell split
+over several runs as ``d<D>-T<T>-<anything>/`` is read as one), prints a
+markdown table (rows mixer and d_model, columns T, the chosen rate's test accuracy) and writes
+one PNG (needs matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+
+def collect(root: Path) -> dict[tuple[str, int], dict[int, float]]:
+    """``{(mixer, d_model): {T: test accuracy}}`` of every ``d<D>-T<T>[-*]/results.json``."""
+    acc: dict[tuple[str, int], dict[int, float]] = {}
+    for path in sorted(root.glob("d*-T*/results.json")):
+        m = re.fullmatch(r"d(\d+)-T(\d+)(-.*)?", path.parent.name)
+        if m is None:
+            continue
+        d, t = int(m[1]), int(m[2])
+        for row in json.loads(path.read_text())["rows"]:
+            if row.get("test_metric") is not None:
+                acc.setdefault((row["mixer"], d), {})[t] = row["test_metric"]
+    return acc
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("root", type=Path, help="the grid's output folder (OUT of benchmarks/mqar.sh)")
+    p.add_argument("--out", required=True, help="PNG to write")
+    a = p.parse_args()
+    acc = collect(a.root)
+    if not acc:
+        sys.exit(f"plot_mqar: no d<D>-T<T>/results.json with results under {a.root}")
+    ts = sorted({t for row in acc.values() for t in row})
+    print("| mixer | d_model | " + " | ".join(f"T={t}" for t in ts) + " |")
+    print("|---|---:|" + "---:|" * len(ts))
+    for (mixer, d), row in sorted(acc.items()):
+        cells = " | ".join(f"{row[t]:.3f}" if t in row else "" for t in ts)
+        print(f"| {mixer} | {d} | {cells} |")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    widths = sorted({d for _, d in acc})
+    fig, axes = plt.subplots(1, len(widths), figsize=(5 * len(widths), 3.6), squeeze=False)
+    for ax, d in zip(axes[0], widths, strict=True):
+        for (mixer, dd), row in sorted(acc.items()):
+            if dd == d:
+                x = sorted(row)
+                ax.plot(x, [row[t] for t in x], marker="o", label=mixer)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ts, [str(t) for t in ts])
+        ax.set_ylim(0, 1.02)
+        ax.set_xlabel("sequence length T")
+        ax.set_ylabel("test accuracy")
+        ax.set_title(f"MQAR, d_model = {d}")
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(a.out, dpi=120)
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
