@@ -264,3 +264,12 @@ def test_cli_flags_reach_the_config_as_given(tmp_path):
     argv = ["train", "--resume", "--out", str(tmp_path / "run2"), "--data", data, "--steps", "9"]
     cfg = resolve_train_config(build_parser().parse_args(argv))
     assert (cfg.data, cfg.steps, cfg.out) == (data, 9, str(tmp_path / "run2"))
+
+
+def test_replace_checks_keys_and_names_seq_len_like_the_file_does():
+    c = TrainConfig()
+    with pytest.raises(UsageError, match="^config: unknown key 'sqe_len'; did you mean 'seq_len'"):
+        c.replace(sqe_len=64)
+    with pytest.raises(UsageError, match=r"^config: 'seq_len' must be > 0, got 0 \(fix it"):
+        c.replace(seq_len=0)
+    assert c.replace(seq_len=64, steps=3).model.max_seq_len == 64

@@ -9,7 +9,7 @@ Both compute, for each head ``h`` with per-head width ``m`` (batch-first, ``x: (
 with ``s = 1/sqrt(m)`` when ``scaled`` (else ``s = 1``, the definition's form) and ``M`` the
 additive mask: ``-inf`` where key ``t'`` is padding or (causal) ``t' > t``. A query with no
 allowed key outputs 0. A NaN or inf reaches exactly the outputs that see it, never an earlier
-one (:func:`_isolate_nonfinite`). With ``rotary``, ``Q_h`` and ``K_h`` are rotated by their
+one (:func:`_nan_outputs`). With ``rotary``, ``Q_h`` and ``K_h`` are rotated by their
 positions before the product (RoPE, :func:`apply_rotary`), so ``A_h`` depends only on ``t - t'``.
 
 ``"attention"`` calls :func:`torch.nn.functional.scaled_dot_product_attention` (flash /
@@ -80,51 +80,43 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
-def _isolate_nonfinite(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    padding_mask: torch.Tensor | None,
-    causal: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Keep a NaN or inf where the attention formula puts it, and nowhere else.
+def _nonfinite_rows(qkv: torch.Tensor) -> torch.Tensor:
+    """Which rows of the fused projection ``qkv: (B, T, 3 H m)`` hold a NaN or inf: ``(B, T, 3)``.
+
+    Column 0 is the query ``q_t`` (all heads), 1 the key ``k_t``, 2 the value ``v_t``.
+    ``(qkv * 0).sum`` is 0 for a finite row and NaN otherwise (``0 * inf = NaN``): exact, one
+    product and one sum.
+    """
+    B, T, three_inner = qkv.shape
+    return (qkv.detach() * 0).view(B, T, 3, three_inner // 3).sum(dim=-1).isnan()
+
+
+def _nan_outputs(
+    bad: torch.Tensor, padding_mask: torch.Tensor | None, causal: bool
+) -> torch.Tensor:
+    """The outputs the attention formula makes NaN, from :func:`_nonfinite_rows`: ``(B, T, 1)``.
 
     The rule: no value, NaN included, flows from a position into an output that cannot see it.
-    The formula gives output ``i`` NaN exactly when its query or a key or value it attends to is
-    not finite. A dense product does worse: a masked score ``-inf + NaN`` and a zero weight
-    ``0 * NaN`` are NaN, so a non-finite ``k_j`` or ``v_j`` reaches every query, earlier ones
-    included (and the gradients of the earlier positions too). So, per (batch, head)::
+    The formula gives output ``i`` NaN exactly when its query, or a key or value it attends to,
+    is not finite::
 
-        qbad_t  = not all(isfinite(q_t))                          (B, H, T)
-        kvbad_t = not (all(isfinite(k_t)) and all(isfinite(v_t)))
-        nan_i   = qbad_i  or  any_{t in keys(i)} kvbad_t
+        nan_i = qbad_i  or  any_{t in keys(i)} (kbad_t or vbad_t)
 
     with ``keys(i)`` the keys query ``i`` may see: real (``padding_mask`` True) and, when causal,
-    ``t <= i`` (a cumulative any). Attention then runs on ``q, k, v`` with the bad rows set to 0
-    (``torch.where``: no ``0 * NaN``) and the caller sets the outputs ``nan_i`` to NaN: every
-    other output, and the gradient it sends to ``q, k, v``, is exactly what it would be without
-    the bad rows (a parameter's gradient, a sum over all positions, still sees them). A
-    non-finite key or value at a padded position changes no real query's output, as any other
-    padded value. O(B H T m) elementwise work, no host sync.
-
-    Args:
-        q, k, v: ``(B, H, T, m)``.
-        padding_mask: bool ``(B, T)``, True for real tokens, or None.
-        causal: query ``i`` sees keys ``t <= i`` only.
-
-    Returns:
-        ``(q, k, v, nan)``: the inputs with their non-finite rows zeroed, and bool
-        ``nan (B, H, T, 1)``, the outputs the formula makes NaN.
+    ``t <= i`` (a cumulative any). A dense product does worse: a masked score ``-inf + NaN`` and
+    a zero weight ``0 * NaN`` are NaN, so a non-finite ``k_j`` or ``v_j`` would reach every
+    query, earlier ones included. So the mixer attends over ``nan_to_num(qkv)`` (non-finite
+    entries 0; the gradient there is 0) and sets the outputs ``nan_i`` to NaN afterwards: every
+    other output, and the gradient it sends back, is exactly what it would be without the bad
+    rows (a parameter's gradient, a sum over all positions, still sees them). A non-finite key or
+    value at a padded position changes no output, as any other padded value. Per position, not
+    per head: the output projection mixes the heads, so one NaN head makes the whole output row
+    NaN anyway. O(B T d) elementwise work, no host sync.
     """
-    # (t * 0).sum(-1) is 0 for a finite row and NaN otherwise (0 * inf = NaN): exact, and one
-    # product and one sum where isfinite(t).all(-1) makes five passes
-    qbad, kbad, vbad = ((t.detach() * 0).sum(dim=-1).isnan() for t in (q, k, v))
-    kvbad = kbad | vbad
-    seen = kvbad if padding_mask is None else kvbad & padding_mask[:, None, :]
+    qbad, kvbad = bad[..., 0], bad[..., 1] | bad[..., 2]
+    seen = kvbad if padding_mask is None else kvbad & padding_mask
     seen = seen.cumsum(dim=-1) > 0 if causal else seen.any(dim=-1, keepdim=True)
-    q = torch.where(qbad[..., None], 0.0, q)
-    k, v = (torch.where(kvbad[..., None], 0.0, t) for t in (k, v))
-    return q, k, v, (qbad | seen)[..., None]
+    return (qbad | seen)[..., None]
 
 
 @dataclass
@@ -255,17 +247,17 @@ class MultiHeadAttention(SequenceMixer):
         return self.head_dim**-0.5 if self.scaled else 1.0
 
     # ------------------------------------------------------------------ pieces
-    def _project(
-        self, x: torch.Tensor, start: int
+    def _split(
+        self, qkv: torch.Tensor, start: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``x: (B, T, d)`` -> ``Q, K, V: (B, H, T, m)``; rotary at positions ``start + t``."""
-        B, T, _ = x.shape
+        """``qkv: (B, T, 3 H m)`` -> ``Q, K, V: (B, H, T, m)``; rotary at positions ``start + t``.
+        """
+        B, T, _ = qkv.shape
         q, k, v = (
-            t.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-            for t in self.qkv(x).chunk(3, dim=-1)
+            t.view(B, T, self.n_heads, self.head_dim).transpose(1, 2) for t in qkv.chunk(3, dim=-1)
         )
         if self.rotary:
-            pos = torch.arange(start, start + T, device=x.device)
+            pos = torch.arange(start, start + T, device=qkv.device)
             cos, sin = rotary_angles(pos, self.head_dim, base=self.rotary_base, dtype=q.dtype)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return q, k, v
@@ -331,17 +323,21 @@ class MultiHeadAttention(SequenceMixer):
         Returns:
             ``(B, T, d)`` (and the cache). A query whose allowed keys are all padding outputs
             zeros; one that sees a non-finite query, key or value outputs NaN, and only those
-            (:func:`_isolate_nonfinite`).
+            (:func:`_nan_outputs`).
         """
-        q, k, v = self._project(x, 0)
+        qkv = self.qkv(x)
         allowed, has_key = self._masks(x.shape[1], padding_mask, x.device)
-        # a NaN or inf reaches only the outputs that see it (the cache keeps it, as stepping does)
-        qf, kf, vf, nan = _isolate_nonfinite(q, k, v, padding_mask, self.causal)
-        y = torch.where(nan, float("nan"), self._attend(qf, kf, vf, allowed, self.causal))
-        out = self._output(y)
+        # a NaN or inf reaches only the outputs that see it (_nan_outputs)
+        bad = _nonfinite_rows(qkv)
+        q, k, v = self._split(torch.nan_to_num(qkv, nan=0.0, posinf=0.0, neginf=0.0), 0)
+        out = self._output(self._attend(q, k, v, allowed, self.causal))
+        out = torch.where(_nan_outputs(bad, padding_mask, self.causal), float("nan"), out)
         if has_key is not None:
             out = out.masked_fill(~has_key[:, 0], 0.0)
-        return (out, KVCache.from_prefix(k, v)) if return_state else out
+        if not return_state:
+            return out
+        _, k, v = self._split(qkv, 0)  # the cache keeps the non-finite keys, as stepping does
+        return out, KVCache.from_prefix(k, v)
 
     def _init_state(
         self, batch_size: int, device: torch.device | str, dtype: torch.dtype
@@ -367,7 +363,7 @@ class MultiHeadAttention(SequenceMixer):
                 f"{type(self).__name__}: 'x' has batch size {x.shape[0]} but 'state' was made for "
                 f"{state.k.shape[0]}"
             )
-        q, k, v = self._project(x[:, None, :], state.length)
+        q, k, v = self._split(self.qkv(x[:, None, :]), state.length)
         state.append(k, v)
         L = state.length
         y = self._attend(q, state.k[:, :, :L], state.v[:, :, :L], None, False)
@@ -386,7 +382,15 @@ class NaiveMultiHeadAttention(MultiHeadAttention):
     ``y_h = A_h V_h``; same parameters, options and state as ``"attention"``.
     """
 
-    def _attend(self, q, k, v, allowed, causal):  # shapes as in MultiHeadAttention._attend
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        allowed: torch.Tensor | None,
+        causal: bool,
+    ) -> torch.Tensor:
+        """``softmax(s Q K^T + M) V`` materialised; shapes as in ``MultiHeadAttention._attend``."""
         scores = torch.einsum("bhtm,bhsm->bhts", q, k) * self.scale  # s Q K^T: (B, H, T, S)
         if causal:
             T, S = scores.shape[-2:]

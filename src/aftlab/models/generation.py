@@ -49,15 +49,16 @@ class DecodingCache:
 
 
 def check_tokens(
-    where: str, name: str, idx: object, *, ndim: int, vocab_size: int
+    where: str, name: str, idx: object, *, ndim: int, vocab_size: int, in_forward: bool = False
 ) -> torch.Tensor:
     """``idx`` must be an integer tensor of rank ``ndim`` with ids in ``[0, vocab_size)``.
 
     The rank, dtype and length are checked always (free: no data is read). The id range reads
-    the data, so it is checked only for CPU tensors outside ``torch.compile``: on a GPU it would
-    stall the host and in a compiled graph break it. There ``nn.Embedding`` rejects an
-    out-of-range id itself (a device-side assert on CUDA); the tasks make ids in range by
-    construction.
+    the data: never inside ``torch.compile`` (it would break the graph), and in a forward pass
+    (``in_forward``) only for CPU tensors, where it stalls nothing; on a GPU a read per step
+    would stall the host, so there ``nn.Embedding`` rejects an out-of-range id itself (a
+    device-side assert on CUDA; the tasks make ids in range by construction). Decoding entry
+    points (prefill, step, generate), which wait for the host anyway, check on every device.
     """
     shape = ("B", "T") if ndim == 2 else ("B",)
     if not isinstance(idx, torch.Tensor):
@@ -78,7 +79,8 @@ def check_tokens(
         raise ValueError(
             f"{where}: '{name}' must hold at least one token, got shape {tuple(idx.shape)}"
         )
-    if idx.numel() and idx.device.type == "cpu" and not torch.compiler.is_compiling():
+    read = not in_forward or idx.device.type == "cpu"
+    if idx.numel() and read and not torch.compiler.is_compiling():
         lo, hi = int(idx.min()), int(idx.max())
         if lo < 0 or hi >= vocab_size:
             raise ValueError(

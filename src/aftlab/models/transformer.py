@@ -291,7 +291,7 @@ class TransformerLM(GenerateMixin, nn.Module):
             ``(B, T, vocab_size)``: ``logits[:, t]`` scores token ``t + 1``.
         """
         where = type(self).__name__
-        check_tokens(where, "idx", idx, ndim=2, vocab_size=self.config.vocab_size)
+        check_tokens(where, "idx", idx, ndim=2, vocab_size=self.config.vocab_size, in_forward=True)
         _check_padding_mask(where, padding_mask, idx)
         return self.head(self.backbone(idx, padding_mask=padding_mask))
 
@@ -413,7 +413,7 @@ class TransformerClassifier(nn.Module):
         Padding tokens (``padding_mask`` False) change neither attention nor the mean.
         """
         where = type(self).__name__
-        check_tokens(where, "idx", idx, ndim=2, vocab_size=self.config.vocab_size)
+        check_tokens(where, "idx", idx, ndim=2, vocab_size=self.config.vocab_size, in_forward=True)
         _check_padding_mask(where, padding_mask, idx)
         h = self.backbone(idx, padding_mask=padding_mask)
         if self.pooling == "first":
@@ -484,7 +484,8 @@ class PixelTransformer(CacheMixin, nn.Module):
                     f"got {tuple(pixels.shape)}"
                 )
             pixels = pixels.flatten(1)
-        check_tokens(where, "pixels", pixels, ndim=2, vocab_size=self.config.vocab_size)
+        V = self.config.vocab_size
+        check_tokens(where, "pixels", pixels, ndim=2, vocab_size=V, in_forward=True)
         if pixels.shape[1] > self.num_pixels:
             raise ValueError(
                 f"{where}: 'pixels' must have at most N = {self.num_pixels} positions, "

@@ -282,7 +282,18 @@ class TrainConfig:
 
     def replace(self, **changes: Any) -> TrainConfig:
         """A validated copy with ``changes``: fields, or ``seq_len``/``mixer``/``mixer_options``
-        (which change ``model``, the given one or this one)."""
+        (which change ``model``, the given one or this one).
+
+        Raises:
+            UsageError: an unknown key (the message says what to write), an invalid value.
+        """
+        for key in changes:
+            problem = _key_problem([key])
+            if problem:
+                raise UsageError(f"config: {problem}")
+        seq_len = changes.get("seq_len", 1)
+        if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len <= 0:
+            _fail("seq_len", "> 0", seq_len)
         on_top = {_ON_TOP[key]: changes.pop(key) for key in list(changes) if key in _ON_TOP}
         if on_top:
             try:
