@@ -132,6 +132,19 @@ def peak_memory_bytes(device: torch.device, baseline_rss: int) -> int:
 
 
 def _max_rss_bytes() -> int:
+    """Peak resident memory of this process image, in bytes.
+
+    On Linux ``VmHWM`` of ``/proc/self/status``: ``ru_maxrss`` there carries over the peak of
+    the process that spawned this one (vfork + exec keeps it), so a run started by a large
+    parent such as ``aftlab compare`` would measure the parent. Elsewhere ``ru_maxrss``.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # "VmHWM:   123456 kB"
+    except OSError:
+        pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
 
