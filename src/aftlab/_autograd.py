@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["keep_inputs", "once_differentiable"]
+__all__ = ["keep_inputs", "once_differentiable", "register_autograd_once"]
 
 
 def keep_inputs(ctx, *inputs) -> None:
@@ -58,3 +58,16 @@ def once_differentiable(name: str) -> Callable:
         return once
 
     return decorate
+
+
+def register_autograd_once(op: str, backward: Callable, setup: Callable, *, what: str) -> None:
+    """Register ``backward`` and ``setup(ctx, inputs, output)`` as the autograd of the custom op
+    ``op`` (``"namespace::name"``), differentiable once (a second derivative raises, naming
+    ``op`` and ``what`` implements it)."""
+
+    def setup_context(ctx, inputs, output):
+        keep_inputs(ctx, *inputs)
+        setup(ctx, inputs, output)
+
+    once = once_differentiable(f"{op} ({what})")(backward)
+    torch.library.register_autograd(op, once, setup_context=setup_context)

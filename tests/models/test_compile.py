@@ -4,7 +4,8 @@
 ``bool(tensor)``, a Python branch on data) is one: so this is the test that no forward or backward
 pass reads tensor values back to the host. The compiled model must also match eager. Both
 implementations of the AFT ops run: the C++ kernels (through their fake implementations,
-``aftlab/kernels/_ops.py``) and the PyTorch ops (what CUDA runs).
+``aftlab/kernels/_ops.py``) and the PyTorch ops (what CUDA runs; AFT-full's and AFT-local's
+exact rescue, which picks rows by value, is the opaque custom op ``aftlab::lse_average``).
 """
 
 from __future__ import annotations
@@ -41,20 +42,11 @@ def _supports(mixer: str, causal: bool) -> bool:
     return True
 
 
-# The PyTorch AFT-full (and AFT-local's band, which it computes) recomputes the rows whose
-# factorised sums underflow exactly, rows picked by their values (``nonzero``): not traceable.
-_PYTORCH_BREAKS = ("aft-full", "aft-local")
 _SLOW = ("aft-conv",)  # its PyTorch scans unroll into a large graph: 8-40 s to compile
 
 
 def _case(mixer: str, causal: bool, impl: str):
-    marks = []
-    if impl == "pytorch" and mixer in _PYTORCH_BREAKS:
-        untraceable = torch._dynamo.exc.TorchDynamoException
-        why = "the exact rescue selects rows by data"
-        marks.append(pytest.mark.xfail(raises=untraceable, strict=True, reason=why))
-    if impl == "pytorch" and mixer in _SLOW:
-        marks.append(pytest.mark.slow)
+    marks = [pytest.mark.slow] if impl == "pytorch" and mixer in _SLOW else []
     name = f"{mixer}-{'causal' if causal else 'bidirectional'}-{impl}"
     return pytest.param(mixer, causal, impl, id=name, marks=marks)
 

@@ -33,11 +33,14 @@ def _inputs(B, T, d, *, scale=1.0, wscale=1.0, dtype=torch.float64, extra=0):
     return [x.to(dtype) for x in (q, k * scale, v, w)]
 
 
-def _check_against_reference(inputs, *, causal, padding_mask=None, atol=None, rtol=None):
-    """Forward and the gradients of q, k, v, w against the float64 reference."""
+def _check_against_reference(
+    inputs, *, causal, padding_mask=None, atol=None, rtol=None, op=aft_full
+):
+    """Forward and the gradients of q, k, v, w (``op``: aft_full or a compiled form of it)
+    against the float64 reference."""
     xs = [x.clone().requires_grad_() for x in inputs]
     rs = [x.detach().double().requires_grad_() for x in inputs]
-    y = aft_full(*xs, causal=causal, padding_mask=padding_mask)
+    y = op(*xs, causal=causal, padding_mask=padding_mask)
     yr = aft_full_reference(*rs, causal=causal, padding_mask=padding_mask)
     assert y.dtype == inputs[0].dtype
     assert_close("y", y, yr, atol=atol, rtol=rtol)
@@ -139,6 +142,18 @@ def test_huge_keys_and_biases(causal, dtype):
     # round to a grid that float32 holds exactly, so both sides see the same inputs
     k, w = k.round(), w.round()
     _check_against_reference([x.to(dtype) for x in (q, k, v, w)], causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_compiled_exact_rescue_matches_reference(causal, monkeypatch, impl):
+    """Under ``torch.compile(fullgraph=True)`` the op is one opaque operator (the PyTorch op's
+    rescue picks rows by value, which a graph cannot): the exact path runs inside it."""
+    q, k, v, w = _inputs(2, 33, 5, scale=1e4, wscale=1e4)
+    k, w = k.round(), w.round()
+    assert _exact_rows(impl, monkeypatch, q, k, v, w, causal), "the exact path was not taken"
+    torch._dynamo.reset()
+    compiled = torch.compile(aft_full, fullgraph=True, backend="aot_eager")
+    _check_against_reference([q, k, v, w], causal=causal, op=compiled)
 
 
 def test_causal_output_ignores_future():

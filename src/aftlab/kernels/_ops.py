@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .._autograd import keep_inputs, once_differentiable
+from .._autograd import register_autograd_once
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -138,13 +138,7 @@ def register() -> None:
 def _register_autograd(name: str, backward, setup) -> None:
     """Register ``backward`` for ``aftlab::name``, differentiable once (the backward kernels
     have no derivative of their own; a second derivative raises, see :mod:`aftlab._autograd`)."""
-
-    def setup_context(ctx, inputs, output):
-        keep_inputs(ctx, *inputs)
-        setup(ctx, inputs, output)
-
-    once = once_differentiable(f"aftlab::{name} (C++ kernel)")(backward)
-    torch.library.register_autograd("aftlab::" + name, once, setup_context=setup_context)
+    register_autograd_once("aftlab::" + name, backward, setup, what="C++ kernel")
 
 
 def _needs_grad(*tensors: torch.Tensor) -> bool:

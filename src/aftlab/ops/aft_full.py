@@ -49,6 +49,11 @@ How the PyTorch implementation computes it (see docs/aft.md):
   ``sqrt(finfo.tiny)`` (or an unsafe diagonal key with finite inputs) is recomputed exactly,
   in float64, with its own per-``(t, c)`` maximum over the keys it sees. Typical inputs never
   take this path; adversarial ones (keys and biases ~1e4) still get the exact answer.
+* **One operator.** Forward and backward are the custom ops ``aftlab::lse_average`` and
+  ``aftlab::lse_average_backward`` (``torch.library.custom_op``): ``torch.compile`` calls them
+  opaquely, as it calls the C++ kernels. What it reads back to the host (a sync on a GPU) is
+  read at one point per call, after the products: in the forward whether a diagonal key was
+  unsafe and the rows to rescue, in the backward the queries with gradient and those rows.
 * **Backward** (custom autograd): with ``R = dA / den`` and ``S = (dA * A - dL) / den``::
 
       dV = E^K * (E^w^T @ R)
@@ -78,7 +83,7 @@ from typing import NamedTuple
 import torch
 
 from .. import kernels
-from .._autograd import keep_inputs, once_differentiable
+from .._autograd import register_autograd_once
 from .._checks import check_compatible, check_qkv, check_tensor
 from .reference import biased_average_reference
 
@@ -239,17 +244,19 @@ def _factors(k, v, wb, geo, blk, kb=None) -> _Factors:
     unsafe = None
     if geo.causal:  # the diagonal keys [i0, hi)
         dv, dk = x[:, i0 - lo :, :d], x[:, i0 - lo :, d:]
-        safe = dk + dv * 0.0 <= _SAFE  # False for NaN, inf, or E^K > e^44
-        if not bool(safe.all()):
-            unsafe = ~safe
-            dk.masked_fill_(unsafe, 0.0)
-            dv.masked_fill_(unsafe, 0.0)
+        unsafe = ~(dk + dv * 0.0 <= _SAFE)  # True for NaN, inf, or E^K > e^44
+        dk.masked_fill_(unsafe, 0.0)
+        dv.masked_fill_(unsafe, 0.0)
     return _Factors(bias, col, torch.exp(bias - mw), mw, x, mk, unsafe)
 
 
-def _cumany(x: torch.Tensor) -> torch.Tensor:
-    """``out[:, t] = any(x[:, :t + 1])`` for bool ``(B, n, d)``."""
-    return torch.cummax(x.to(torch.uint8), 1).values.bool()
+def _block_cumany(x: torch.Tensor, size: int) -> torch.Tensor:
+    """``out[:, t] = any(x[:, i0 : t + 1])`` for bool ``(B, T, d)``, ``i0`` the start of the
+    block of ``size`` positions that holds ``t``."""
+    B, T, d = x.shape
+    n = -(-T // size)
+    xp = torch.nn.functional.pad(x.to(torch.uint8), (0, 0, 0, n * size - T))
+    return torch.cummax(xp.view(B, n, size, d), 2).values.view(B, n * size, d)[:, :T].bool()
 
 
 # ----------------------------------------------------------------------------- exact rescue
@@ -327,82 +334,141 @@ def _tau(dtype: torch.dtype) -> float:
     return math.sqrt(torch.finfo(dtype).tiny)
 
 
-class _LSEAverage(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, k, v, wb, pad, geo, with_log):
-        keep_inputs(ctx, k, v, wb)
-        B, T, d = k.shape
-        if pad is not None:  # padded keys contribute exp(-inf) = 0, padded values 0
-            k = k.masked_fill(~pad[..., None], float("-inf"))
-            v = v.masked_fill(~pad[..., None], 0.0)
-        L = k.new_empty(B, T, d, dtype=torch.float64) if with_log else None  # else not formed
-        A, den = torch.empty_like(k), torch.empty_like(k)
-        redo = torch.zeros(B, T, dtype=torch.bool, device=k.device)  # rows to compute exactly
-        kb = _key_blocks(k, v, geo)
-        for blk in _blocks(geo):
-            i0, i1, lo, hi = blk
-            f = _factors(k, v, wb, geo, blk, kb)
-            out = torch.bmm(f.ew.expand(B, -1, -1), f.x)  # [num | den]
-            den[:, i0:i1] = dn = out[..., d:]
-            torch.div(out[..., :d], dn, out=A[:, i0:i1])
-            if L is not None:  # log(den) + m^w + m^K, the last sum in float64
-                torch.add(torch.log(dn).add_(f.mw), f.mk.double(), out=L[:, i0:i1])
-            if f.unsafe is not None:  # queries from an unsafe diagonal key on, per channel
-                kd, vd = k[:, i0:i1], v[:, i0:i1]
-                hit = _cumany(f.unsafe)  # a NaN or inf input they see (also in the shift):
-                bad = _cumany(torch.isnan(kd) | (kd == float("inf")) | ~torch.isfinite(vd))
-                bad |= ~torch.isfinite(f.mk)
-                A[:, i0:i1].masked_fill_(hit & bad, float("nan"))
-                redo[:, i0:i1] |= (hit & ~bad).any(-1)  # finite inputs, too large: exactly
-        # den < tau: the factorised shift m^w + m^K was far above max(K + w) (NaN: not taken)
-        rows = (redo | (den < _tau(den.dtype)).any(-1)).nonzero()
-        if rows.numel():
-            _rescue_forward(k, v, wb, geo, rows, L, A)
-        ctx.geo = geo
-        ctx.save_for_backward(k, v, wb, A, den, rows)
-        return (k.new_zeros(0, dtype=torch.float64) if L is None else L), A
+def _lse_forward(k, v, wb, pad, geo, with_log):
+    """The forward of :func:`lse_average`: ``(L, A, den, redo)``; ``redo`` (``(B, T)`` bool)
+    marks the rows computed exactly (the rescue)."""
+    B, T, d = k.shape
+    if pad is not None:  # padded keys contribute exp(-inf) = 0, padded values 0
+        k = k.masked_fill(~pad[..., None], float("-inf"))
+        v = v.masked_fill(~pad[..., None], 0.0)
+    L = k.new_empty((B, T, d) if with_log else (0,), dtype=torch.float64)  # else not formed
+    A, den = torch.empty_like(k), torch.empty_like(k)
+    redo = torch.zeros(B, T, dtype=torch.bool, device=k.device)  # rows to compute exactly
+    unsafe, shifts = [], []  # causal: each block's unsafe diagonal keys (B, nq, d), m^K
+    kb = _key_blocks(k, v, geo)
+    for blk in _blocks(geo):
+        i0, i1, lo, hi = blk
+        f = _factors(k, v, wb, geo, blk, kb)
+        out = torch.bmm(f.ew.expand(B, -1, -1), f.x)  # [num | den]
+        den[:, i0:i1] = dn = out[..., d:]
+        torch.div(out[..., :d], dn, out=A[:, i0:i1])
+        if with_log:  # log(den) + m^w + m^K, the last sum in float64
+            torch.add(torch.log(dn).add_(f.mw), f.mk.double(), out=L[:, i0:i1])
+        if geo.causal:
+            unsafe.append(f.unsafe)
+            shifts.append(f.mk.expand(B, i1 - i0, d))
+    # den < tau: the factorised shift m^w + m^K was far above max(K + w) (NaN: not taken)
+    redo |= (den < _tau(den.dtype)).any(-1)
+    # Host syncs (on a GPU), once per call and back to back, after all the products: whether a
+    # diagonal key was unsafe, and (below) which rows to recompute.
+    if unsafe and bool((u := torch.cat(unsafe, 1)).any()):
+        # queries from an unsafe diagonal key of their block on, per channel: NaN if an input
+        # they see is NaN or inf (also in the shift), else recomputed exactly
+        S = _causal_block_size(T) if geo.alpha == 0 else _BAND_BLOCK
+        hit = _block_cumany(u, S)
+        bad = _block_cumany(torch.isnan(k) | (k == float("inf")) | ~torch.isfinite(v), S)
+        bad |= ~torch.isfinite(torch.cat(shifts, 1))
+        A.masked_fill_(hit & bad, float("nan"))
+        redo |= (hit & ~bad).any(-1)
+    rows = redo.nonzero()
+    if rows.numel():
+        _rescue_forward(k, v, wb, geo, rows, L if with_log else None, A)
+    return L, A, den, redo
 
-    @staticmethod
-    @once_differentiable("lse_average (aft_full, aft_local)")
-    def backward(ctx, gL, gA):
-        k, v, wb, A, den, rows = ctx.saved_tensors
-        geo = ctx.geo
-        B, T, d = k.shape
-        gL = torch.zeros_like(k) if gL is None or gL.shape != k.shape else gL.to(k.dtype)
-        gA = torch.zeros_like(k) if gA is None else gA.to(k.dtype)
-        # outputs without upstream gradient contribute exactly 0 (not 0 * NaN from a NaN row)
-        quiet = (gA == 0) & (gL == 0)
-        R = (gA / den).masked_fill_(quiet, 0.0)
-        S = ((gA * A - gL) / den).masked_fill_(quiet, 0.0)
-        if rows.numel():  # rescued rows are handled exactly below, not by the fast path
-            R[rows[:, 0], rows[:, 1]] = 0.0
-            S[rows[:, 0], rows[:, 1]] = 0.0
-        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-        dwb = torch.zeros(wb.shape, dtype=wb.dtype, device=wb.device)
-        kb = _key_blocks(k, v, geo)
-        for blk in _blocks(geo):
-            i0, i1, lo, hi = blk
-            rs = torch.cat([R[:, i0:i1], S[:, i0:i1]], -1)  # (B, nq, 2d)
-            if not bool(rs.any()):  # no gradient reaches the block: it adds exactly nothing
-                continue  # (and a NaN in its shift m^K cannot turn 0 into NaN)
-            f = _factors(k, v, wb, geo, blk, kb)
-            nq, nk = i1 - i0, hi - lo
-            y = torch.bmm(f.ew.t().expand(B, -1, -1), rs)  # (B, nk, 2d)
-            yr, ys = y[..., :d], y[..., d:]
-            ev, ek = f.x[..., :d], f.x[..., d:]
-            dv[:, lo:hi] += ek * yr
-            dk[:, lo:hi] += ev * yr - ek * ys
-            left = torch.cat([R[:, i0:i1], -S[:, i0:i1]], -1).transpose(0, 1)
-            right = f.x.transpose(0, 1)
-            g = f.ew * (left.reshape(nq, B * 2 * d) @ right.reshape(nk, B * 2 * d).t())
-            g = g.masked_fill(f.bias == float("-inf"), 0.0)  # unseen biases: exactly 0
-            if f.col is None:
-                dwb[i0:i1, lo:hi] += g
-            else:
-                dwb[i0:i1].scatter_add_(1, f.col, g)
-        if rows.numel():
-            _rescue_backward(k, v, wb, geo, rows, A, gA, gL, quiet, dk, dv, dwb)
-        return dk, dv, dwb, None, None, None
+
+def _lse_backward(gL, gA, k, v, wb, pad, A, den, redo, geo):
+    """The backward of :func:`lse_average`: ``(dK, dV, dwb)``."""
+    B, T, d = k.shape
+    if pad is not None:
+        k = k.masked_fill(~pad[..., None], float("-inf"))
+        v = v.masked_fill(~pad[..., None], 0.0)
+    gL = torch.zeros_like(k) if gL.shape != k.shape else gL.to(k.dtype)
+    gA = gA.to(k.dtype)
+    # outputs without upstream gradient contribute exactly 0 (not 0 * NaN from a NaN row);
+    # rescued rows are handled exactly below, not by the fast path
+    quiet = (gA == 0) & (gL == 0)
+    R = (gA / den).masked_fill_(quiet | redo[..., None], 0.0)
+    S = ((gA * A - gL) / den).masked_fill_(quiet | redo[..., None], 0.0)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    dwb = torch.zeros(wb.shape, dtype=wb.dtype, device=wb.device)
+    # Host syncs (on a GPU), once and back to back: the query rows with upstream gradient, and
+    # the rescued rows. A block none of whose queries has gradient adds exactly nothing (and a
+    # NaN in its shift m^K cannot turn 0 into NaN): it is skipped.
+    live = ((R != 0) | (S != 0)).flatten(2).any(-1).any(0).tolist()  # (T,) per query
+    rows = redo.nonzero()
+    kb = _key_blocks(k, v, geo)
+    for blk in _blocks(geo):
+        i0, i1, lo, hi = blk
+        if not any(live[i0:i1]):
+            continue
+        rs = torch.cat([R[:, i0:i1], S[:, i0:i1]], -1)  # (B, nq, 2d)
+        f = _factors(k, v, wb, geo, blk, kb)
+        nq, nk = i1 - i0, hi - lo
+        y = torch.bmm(f.ew.t().expand(B, -1, -1), rs)  # (B, nk, 2d)
+        yr, ys = y[..., :d], y[..., d:]
+        ev, ek = f.x[..., :d], f.x[..., d:]
+        dv[:, lo:hi] += ek * yr
+        dk[:, lo:hi] += ev * yr - ek * ys
+        left = torch.cat([R[:, i0:i1], -S[:, i0:i1]], -1).transpose(0, 1)
+        right = f.x.transpose(0, 1)
+        g = f.ew * (left.reshape(nq, B * 2 * d) @ right.reshape(nk, B * 2 * d).t())
+        g = g.masked_fill(f.bias == float("-inf"), 0.0)  # unseen biases: exactly 0
+        if f.col is None:
+            dwb[i0:i1, lo:hi] += g
+        else:
+            dwb[i0:i1].scatter_add_(1, f.col, g)
+    if rows.numel():
+        _rescue_backward(k, v, wb, geo, rows, A, gA, gL, quiet, dk, dv, dwb)
+    return dk, dv, dwb
+
+
+# The PyTorch implementation is one opaque operator, forward and backward, like the C++ kernels:
+# torch.compile traces around it (its rescue picks rows by value) and autograd calls its backward.
+@torch.library.custom_op("aftlab::lse_average", mutates_args=())
+def _lse_op(
+    k: torch.Tensor, v: torch.Tensor, wb: torch.Tensor, pad: torch.Tensor | None,
+    alpha: int, beta: int, causal: bool, with_log: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    geo = Geometry(k.shape[1], wb.shape[1], alpha, beta, causal)
+    return _lse_forward(k, v, wb, pad, geo, with_log)
+
+
+@_lse_op.register_fake
+def _(k, v, wb, pad, alpha, beta, causal, with_log):
+    L = k.new_empty(k.shape if with_log else (0,), dtype=torch.float64)
+    return L, torch.empty_like(k), torch.empty_like(k), k.new_empty(k.shape[:2], dtype=torch.bool)
+
+
+@torch.library.custom_op("aftlab::lse_average_backward", mutates_args=())
+def _lse_backward_op(
+    gL: torch.Tensor, gA: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wb: torch.Tensor,
+    pad: torch.Tensor | None, A: torch.Tensor, den: torch.Tensor, redo: torch.Tensor,
+    alpha: int, beta: int, causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    geo = Geometry(k.shape[1], wb.shape[1], alpha, beta, causal)
+    return _lse_backward(gL, gA, k, v, wb, pad, A, den, redo, geo)
+
+
+@_lse_backward_op.register_fake
+def _(gL, gA, k, v, wb, pad, A, den, redo, alpha, beta, causal):
+    return torch.empty_like(k), torch.empty_like(v), torch.empty_like(wb)
+
+
+def _lse_setup(ctx, inputs, output):
+    k, v, wb, pad, *ctx.geo = inputs[:7]
+    _, A, den, redo = output
+    ctx.save_for_backward(k, v, wb, pad, A, den, redo)
+
+
+def _lse_grad(ctx, gL, gA, _gden, _gredo):
+    k, v, wb, pad, A, den, redo = ctx.saved_tensors
+    gL = k.new_zeros(0) if gL is None else gL
+    gA = torch.zeros_like(k) if gA is None else gA
+    dk, dv, dwb = _lse_backward_op(gL, gA, k, v, wb, pad, A, den, redo, *ctx.geo)
+    return dk, dv, dwb, None, None, None, None, None
+
+
+register_autograd_once("aftlab::lse_average", _lse_grad, _lse_setup, what="PyTorch")
 
 
 def lse_average(
@@ -439,9 +505,11 @@ def lse_average(
         z = k * 0.0 + v * 0.0 + wb.sum() * 0.0
         return z.double(), z
     with torch.autocast(k.device.type, enabled=False):
-        return _LSEAverage.apply(
-            k.contiguous(), v.contiguous(), wb, padding_mask, geo, with_log
+        L, A, _, _ = _lse_op(
+            k.contiguous(), v.contiguous(), wb, padding_mask, geo.alpha, geo.beta,
+            geo.causal, with_log,
         )
+        return L, A
 
 
 # ----------------------------------------------------------------------------- public API
