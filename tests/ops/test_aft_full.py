@@ -15,16 +15,9 @@ from aftlab.testing import assert_close
 
 aft_full_module = importlib.import_module("aftlab.ops.aft_full")
 
-pytestmark = pytest.mark.usefixtures("impl")  # the C++ kernel and the PyTorch op (conftest)
+# the C++ kernel and the PyTorch op, one thread each (conftest)
+pytestmark = pytest.mark.usefixtures("impl", "one_thread")
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small sizes: one thread avoids oversubscribing the shared CPUs."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _inputs(B, T, d, *, scale=1.0, wscale=1.0, dtype=torch.float64, extra=0):

@@ -8,16 +8,8 @@ from aftlab.ops.aft_full import aft_full_reference
 from aftlab.ops.aft_local import aft_local_band, aft_local_reference, band_of
 from aftlab.testing import assert_close
 
-pytestmark = pytest.mark.usefixtures("impl")  # kernel and PyTorch (conftest.py)
+pytestmark = pytest.mark.usefixtures("impl", "one_thread")  # kernel and PyTorch (conftest.py)
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small sizes: one thread avoids oversubscribing the shared CPUs."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _inputs(B, T, d, *, scale=1.0, wscale=1.0, dtype=torch.float64, extra=0):

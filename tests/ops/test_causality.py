@@ -27,6 +27,8 @@ from aftlab.ops.aft_full import aft_full_reference
 from aftlab.ops.aft_local import aft_local_reference
 from aftlab.testing import assert_close
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # small sizes (conftest)
+
 try:  # ops with a fused C++ kernel also have a pure-PyTorch implementation: test both
     from aftlab.kernels import OPS as KERNEL_OPS
     from aftlab.kernels import load as kernels_load
@@ -39,13 +41,6 @@ aft_full_module = importlib.import_module("aftlab.ops.aft_full")
 B, T, D = 2, 600, 4
 BAD = [float("nan"), float("inf"), float("-inf"), 1e3]
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _qkv(scale: float = 1.0) -> dict[str, torch.Tensor]:

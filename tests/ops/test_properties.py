@@ -59,14 +59,8 @@ from .strategies import (
     tolerance,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # small sizes (conftest)
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small sizes: one thread avoids oversubscribing the shared CPUs."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 # ----------------------------------------------------------------------------- cases

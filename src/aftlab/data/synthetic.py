@@ -10,7 +10,8 @@ the task seed, so every run is evaluated on the same examples.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -124,6 +125,7 @@ def copying(
     return z[:, :seq_len], target
 
 
+@dataclass(eq=False)
 class SyntheticTask(Task):
     """A generated ``kind="lm"`` task scored by accuracy at the positions with a target.
 
@@ -140,25 +142,17 @@ class SyntheticTask(Task):
     kind = "lm"
     metric = "accuracy"
 
-    def __init__(
-        self,
-        name: str,
-        generate: Any,
-        *,
-        seq_len: int,
-        vocab_size: int,
-        seed: int,
-        eval_size: int,
-        details: dict[str, Any],
-    ) -> None:
-        self.name = name
-        self.generate = generate
-        self.seq_len = seq_len
-        self.vocab_size = vocab_size
-        self.seed = seed
-        self.eval_size = eval_size
-        self.details = details
-        self._eval: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    name: str
+    generate: Callable[[np.random.Generator, int], tuple[np.ndarray, np.ndarray]]
+    _: KW_ONLY
+    seq_len: int
+    vocab_size: int
+    seed: int
+    eval_size: int
+    details: dict[str, Any]
+    _eval: dict[str, tuple[np.ndarray, np.ndarray]] = field(
+        default_factory=dict, init=False, repr=False
+    )
 
     def info(self) -> dict[str, Any]:
         out = super().info()
