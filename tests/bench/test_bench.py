@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import importlib
 import json
 import math
 import time
@@ -12,9 +13,8 @@ import pytest
 import torch
 
 from aftlab.bench import OPS, BenchConfig, Shape, cases, run_bench
-from aftlab.bench.cases import PEERS, WKV
-from aftlab.bench.gate import check_case
-from aftlab.bench.measure import Spec, peak_memory, run_isolated, tensor_bytes
+from aftlab.bench.cases import PEERS, WKV, Spec
+from aftlab.bench.measure import check, execute, peak_memory, tensor_bytes
 from aftlab.bench.report import CSV_FIELDS, ratios
 from aftlab.cli import main as aftlab_main
 from aftlab.mixers import available_mixers, registry
@@ -80,20 +80,35 @@ def test_cases_derive_from_the_mixer_registry(monkeypatch):
     assert decode["status"] == "ok" and decode["gate"] == "passed", decode["note"]
 
 
+class _WrongStep(AFTSimple):
+    def _step(self, x, state):
+        y, state = super()._step(x, state)
+        return y * 1.01, state
+
+
+def test_decoding_gate_refuses_steps_that_differ_from_forward(monkeypatch):
+    monkeypatch.setitem(registry._MIXERS, "wrong-step", _WrongStep)
+    spec = Spec("wrong-step", "decode", True, Shape(1, 8, 16, 4), None)
+    g = check(spec, None, torch.float32, torch.device("cpu"))
+    assert g.status == "failed" and "wrong-step y" in g.note
+    g = check(spec._replace(name="aft-simple"), None, torch.float32, torch.device("cpu"))
+    assert g.status == "passed" and g.max_error < 1e-4
+
+
 def test_isolated_case_runs_in_a_fresh_process():
     cfg = BenchConfig(threads=1, repeats=2, warmup=1, max_seconds_per_case=30.0)
-    out = run_isolated(Spec("attention", "train", True, Shape(1, 16, 16, 4), cfg), timeout=120)
+    out = execute(Spec("attention", "train", True, Shape(1, 16, 16, 4), cfg), None, isolate=True)
     assert out["status"] == "ok", out.get("note")
     assert out["mem_method"] == "VmHWM - VmRSS, fresh process" and out["peak_bytes"] >= 0
     assert out["repeats"] == 2 and 0 < out["time_min_s"] <= out["time_median_s"]
 
 
-def _wrong_forward(x, causal):
-    return OPS["attention"].fast(x, causal) * 1.01
+def _wrong_forward(*x, causal):
+    return OPS["attention"].fast(*x, causal=causal) * 1.01
 
 
-def _wrong_backward(x, causal):  # forward values exact, gradient of q off by 10%
-    return OPS["attention"].fast(x, causal) + 0.1 * (x["q"] - x["q"].detach())
+def _wrong_backward(q, k, v, causal):  # forward values exact, gradient of q off by 10%
+    return OPS["attention"].fast(q, k, v, causal=causal) + 0.1 * (q - q.detach())
 
 
 def test_correctness_gate_refuses_wrong_op():
@@ -249,9 +264,11 @@ class _WrongWKV(WKV):
 
 
 def test_peer_gate_refuses_a_wrong_peer_and_a_missing_one_is_a_note(tmp_path, monkeypatch):
-    (ours, build, theirs, _), = PEERS["hf-rwkv"][2]
-    pairs = [(ours, build, theirs, lambda s: _WrongWKV(s, "aftlab"))]
-    monkeypatch.setitem(PEERS, "hf-rwkv", ("torch", "transformers", pairs))
+    def wkv(s, impl):  # theirs wrong (and no transformers needed), ours right
+        return _WrongWKV(s, "aftlab") if impl == "hf-rwkv" else WKV(s, impl)
+
+    monkeypatch.setattr(importlib.import_module("aftlab.bench.cases"), "WKV", wkv)
+    monkeypatch.setitem(PEERS, "hf-rwkv", ("torch", PEERS["hf-rwkv"][1]))
     rows = _peer_run(tmp_path)["compare"]
     theirs = [r for r in rows if r["impl"] == "hf-rwkv"]
     assert len(theirs) == 4 and all(r["status"] == "failed" for r in theirs)
@@ -259,10 +276,10 @@ def test_peer_gate_refuses_a_wrong_peer_and_a_missing_one_is_a_note(tmp_path, mo
                for r in theirs)
     assert all(r["status"] == "ok" for r in rows if r["impl"] == "aftlab")
 
-    monkeypatch.setitem(PEERS, "hf-rwkv", ("no_such_module_aftlab", "transformers", []))
+    monkeypatch.setitem(PEERS, "hf-rwkv", ("no-such-package-aftlab", {}))
     (row,) = _peer_run(tmp_path)["compare"]
-    assert row["status"] == "skipped" and "transformers is not installed" in row["note"]
-    assert "transformers is not installed" in (tmp_path / "summary.md").read_text()
+    assert row["status"] == "skipped" and "no-such-package-aftlab is not installed" in row["note"]
+    assert "no-such-package-aftlab is not installed" in (tmp_path / "summary.md").read_text()
 
 
 @pytest.mark.parametrize("name, causal", [
@@ -274,13 +291,13 @@ def test_every_op_matches_its_reference(name, causal):
     T = 36 if name == "aft-local" else 12  # past the band of 32: both of its parts run
     for mode in ("forward", "train"):
         s, cpu = Shape(1, T, 8, 2), torch.device("cpu")
-        g = check_case(name, cases()[name], mode, causal, s, torch.float32, cpu)
+        g = check(Spec(name, mode, causal, s, None), cases()[name], torch.float32, cpu)
         assert g.status == "passed" and g.max_error < 1e-3, g.note
 
 
-def _slow_sdpa(x, causal):
+def _slow_sdpa(*x, causal):
     time.sleep(0.05)
-    return OPS["attention"].fast(x, causal)
+    return OPS["attention"].fast(*x, causal=causal)
 
 
 def test_longer_length_skipped_when_linear_growth_would_exceed_budget():

@@ -6,8 +6,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from importlib import import_module
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +23,6 @@ from ..ops.aft_simple import aft_simple_reference
 
 MODES = ("forward", "train", "decode")
 WINDOW, KERNEL = 32, 31  # aft-local's window, aft-conv's kernel size
-Inputs = dict[str, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,17 @@ class Shape:
     n = property(lambda self: self.B * self.T * self.d, doc="Elements of a ``(B, T, d)`` tensor.")
 
 
+class Spec(NamedTuple):
+    """One case, picklable: ``name`` is a case of :func:`cases` or a peer's module
+    ``"<peer>:<impl>:<variant>"``; ``cfg`` is the run's ``BenchConfig``."""
+
+    name: str
+    mode: str
+    causal: bool
+    shape: Shape
+    cfg: Any
+
+
 @dataclass(frozen=True)
 class Op:
     """How one mixer's op is benchmarked.
@@ -46,25 +57,27 @@ class Op:
     Attributes:
         inputs: ``(shape, causal) -> {name: (size, scale)}``, the op's arguments in order:
             ``randn(size) * scale``, or ``U(0, 0.5)`` for ``scale="U"``.
-        fast, reference: ``(inputs, causal) -> y``: the op under test; float64, from the formula.
-        flops, io: a forward's FLOPs and elements ``(read, written)``.
+        fast, reference: ``(*inputs, causal=) -> y``: the op under test; float64, from the
+            formula.
+        flops: a forward's FLOPs.
         step: a decoding step's ``(FLOPs, elements read)`` besides the projections; None: none.
         mem: ``(forward, train)`` peak elements above the inputs, generous (to skip what won't fit).
+        io: a forward's elements ``(read, written)``; None: the inputs and ``B T d``.
         options: the mixer's own options matching the inputs (aft-local's window).
         causal_only: the op has no non-causal form.
     """
 
     inputs: Callable[[Shape, bool], dict[str, tuple]]
-    fast: Callable[[Inputs, bool], torch.Tensor]
-    reference: Callable[[Inputs, bool], torch.Tensor]
+    fast: Callable[..., torch.Tensor]
+    reference: Callable[..., torch.Tensor]
     flops: Callable[[Shape, bool], float]
-    io: Callable[[Shape, bool], tuple[float, float]]
     step: Callable[[Shape], tuple[float, float]] | None
     mem: Callable[[Shape, bool], tuple[float, float]]
+    io: Callable[[Shape, bool], tuple[float, float]] | None = None
     options: dict[str, Any] = field(default_factory=dict)
     causal_only: bool = False
 
-    def make(self, s: Shape, causal: bool, dtype, device, gen: torch.Generator) -> Inputs:
+    def make(self, s: Shape, causal: bool, dtype, device, gen: torch.Generator) -> dict:
         """The inputs at shape ``s``: drawn in float64 from ``gen``, then cast."""
         out = {}
         for name, (size, scale) in self.inputs(s, causal).items():
@@ -80,7 +93,8 @@ class Op:
             f, r = self.step(s)
             f, nbytes = f + 8.0 * s.B * s.d * s.d, (r + 4.0 * s.d * s.d) * s.esize
         else:
-            f, (r, w) = self.flops(s, causal), self.io(s, causal)
+            sizes = [math.prod(size) for size, _ in self.inputs(s, causal).values()]
+            f, (r, w) = self.flops(s, causal), self.io(s, causal) if self.io else (sum(sizes), s.n)
             if mode == "train":  # the backward: 2 products per product; inputs and dy read again,
                 f, r, w = 3 * f, 2 * r + w, r + w  # a gradient written per input
             nbytes = (r + w) * s.esize
@@ -111,9 +125,8 @@ def _qkv(s: Shape, **extra) -> dict[str, tuple]:
     return {n: ((s.B, s.T, s.d), 1.0) for n in "qkv"} | extra
 
 
-def _naive_attention(x: Inputs, causal: bool) -> torch.Tensor:
+def _naive_attention(q, k, v, *, causal: bool) -> torch.Tensor:
     """``softmax(q k^T / sqrt(c) + M) v`` by einsum, ``M = -inf`` above the diagonal if causal."""
-    q, k, v = x.values()
     scores = torch.einsum("bhtc,bhsc->bhts", q, k) / math.sqrt(q.shape[-1])
     if causal:
         mask = torch.ones(q.shape[-2], q.shape[-2], dtype=torch.bool, device=q.device).triu(1)
@@ -121,9 +134,9 @@ def _naive_attention(x: Inputs, causal: bool) -> torch.Tensor:
     return torch.einsum("bhts,bhsc->bhtc", scores.softmax(-1), v)
 
 
-def _attention_reference(x: Inputs, causal: bool) -> torch.Tensor:
+def _attention_reference(q, k, v, *, causal: bool) -> torch.Tensor:
     """Float64 per query: ``y_t = sum_{s (<= t if causal)} softmax_s(q_t . k_s / sqrt(c)) v_s``."""
-    q, k, v = (t.double() for t in x.values())
+    q, k, v = q.double(), k.double(), v.double()
     rows = []
     for t in range(q.shape[-2]):
         end = t + 1 if causal else q.shape[-2]
@@ -132,9 +145,8 @@ def _attention_reference(x: Inputs, causal: bool) -> torch.Tensor:
     return torch.stack(rows, 2)
 
 
-def _local_reference(x: Inputs, causal: bool) -> torch.Tensor:
+def _local_reference(q, k, v, w_band, *, causal: bool) -> torch.Tensor:
     """``aft_local_reference`` with ``w_band (T, W)`` scattered into ``w (T, T)`` (0 elsewhere)."""
-    q, k, v, w_band = x.values()
     T, t = q.shape[1], torch.arange(q.shape[1])[:, None]
     cols = t + torch.arange(w_band.shape[1])[None, :] - (min(WINDOW, T) - 1)
     inside = (cols >= 0) & (cols < T)
@@ -142,25 +154,19 @@ def _local_reference(x: Inputs, causal: bool) -> torch.Tensor:
     return aft_local_reference(q, k, v, w, WINDOW, causal=causal)
 
 
-def _causal(fn) -> Callable[[Inputs, bool], torch.Tensor]:
-    return lambda x, causal: fn(*x.values(), causal=causal)
-
-
 ATTENTION = Op(  # q, k, v (B, h, T, c): the layout scaled_dot_product_attention takes
     lambda s, causal: {n: ((s.B, s.h, s.T, s.c), 1.0) for n in "qkv"},
-    lambda x, causal: F.scaled_dot_product_attention(*x.values(), is_causal=causal),
+    lambda q, k, v, causal: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
     _attention_reference,
     _quadratic,
-    lambda s, causal: (3 * s.n, s.n),
     lambda s: (4.0 * s.n, 2.0 * s.n),  # one query against the K and V cache
     lambda s, causal: (4 * s.n, 12 * s.n),
 )
 SIMPLE = Op(
     lambda s, causal: _qkv(s),
-    _causal(aft_simple),
-    _causal(aft_simple_reference),
+    aft_simple,
+    aft_simple_reference,
     lambda s, causal: 10.0 * s.n,  # exp, products, sums, sigmoid: a handful per element
-    lambda s, causal: (3 * s.n, s.n),
     lambda s: (10.0 * s.B * s.d, 4.0 * s.B * s.d),  # the running sums
     lambda s, causal: (8 * s.n, 24 * s.n),
 )
@@ -175,19 +181,18 @@ OPS: dict[str, Op] = {
     ),
     "aft-full": Op(
         lambda s, causal: _qkv(s, w=((s.T, s.T), 0.5)),
-        _causal(aft_full),
-        _causal(aft_full_reference),
+        aft_full,
+        aft_full_reference,
         _quadratic,
-        lambda s, causal: (3 * s.n + s.T * s.T * (0.5 if causal else 1.0), s.n),
         lambda s: (4.0 * s.n, 2.0 * s.n + s.T),  # the past exp(k) v, exp(k); a row of w
         lambda s, causal: (3 * s.T**2 + 6 * s.n, 6 * s.T**2 + 16 * s.n),
+        io=lambda s, causal: (3 * s.n + s.T * s.T * (0.5 if causal else 1.0), s.n),
     ),
     "aft-local": Op(  # the band form the mixer uses: w_band (T, W), no T x T
         lambda s, causal: _qkv(s, w_band=((s.T, _band(s, causal)), 0.5)),
-        lambda x, causal: aft_local_band(*x.values(), WINDOW, causal=causal),
+        partial(aft_local_band, window=WINDOW),
         _local_reference,
         lambda s, causal: s.n * (4.0 * _band(s, causal) + 10.0),  # global sums + band
-        lambda s, causal: (3 * s.n + s.T * _band(s, causal), s.n),  # only the band of w
         lambda s: (4.0 * s.B * s.d * _band(s, True), 2.0 * s.B * s.d * WINDOW),  # ring buffer
         lambda s, causal: ((_band(s, causal) + 12) * s.n, (2 * _band(s, causal) + 24) * s.n),
         options={"window": WINDOW},
@@ -201,19 +206,17 @@ OPS: dict[str, Op] = {
             "v": ((s.B, s.T, s.h, s.c), 1.0),
             "w": ((s.h, KERNEL), 0.5),
         },
-        fast=_causal(aft_conv),
-        reference=_causal(aft_conv_reference),
+        fast=aft_conv,
+        reference=aft_conv_reference,
         flops=lambda s, causal: 2.0 * KERNEL * s.B * s.T * (s.d + s.h) + 10.0 * s.n,
-        io=lambda s, causal: (2 * s.n + s.B * s.T * s.h + s.h * KERNEL, s.n),
         step=lambda s: (2.0 * KERNEL * s.B * (s.d + s.h), 2.0 * s.B * KERNEL * (s.d + s.h)),
         options={"kernel_size": KERNEL},
     ),
     "aft-decay": replace(  # decays U(0, 0.5) and bonus, (d,)
         SIMPLE,
         inputs=lambda s, causal: _qkv(s, decay=((s.d,), "U"), bonus=((s.d,), 0.5)),
-        fast=lambda x, causal: aft_decay(*x.values()),
-        reference=lambda x, causal: aft_decay_reference(*x.values()),
-        io=lambda s, causal: (3 * s.n + 2 * s.d, s.n),
+        fast=lambda *x, causal: aft_decay(*x),
+        reference=lambda *x, causal: aft_decay_reference(*x),
         causal_only=True,
     ),
 }
@@ -222,12 +225,12 @@ OPS: dict[str, Op] = {
 #: cannot avoid, timed beside it; their backward is ``e^T @ g`` and ``g @ x^T``.
 MATMUL = Op(
     lambda s, causal: {"e": ((s.T, s.T), 0.1), "x": ((s.T, 2 * s.B * s.d), 1.0)},
-    lambda x, causal: x["e"] @ x["x"],
-    lambda x, causal: x["e"].double() @ x["x"].double(),
+    lambda e, x, causal: e @ x,
+    lambda e, x, causal: e.double() @ x.double(),
     lambda s, causal: _quadratic(s, False),
-    lambda s, causal: (2 * s.n + s.T * s.T, 2 * s.n),
     None,
     lambda s, causal: (2 * s.T**2 + 6 * s.n,) * 2,
+    io=lambda s, causal: (2 * s.n + s.T * s.T, 2 * s.n),
 )
 
 
@@ -235,14 +238,6 @@ def cases() -> dict[str, Op | None]:
     """The cases by name: every registered mixer (its op, or None: decoding only) and
     ``aft-full-matmul`` (no decoding)."""
     return {m: OPS.get(m) for m in available_mixers()} | {"aft-full-matmul": MATMUL}
-
-
-def decoder(name: str, op: Op | None, s: Shape, max_seq_len: int) -> torch.nn.Module:
-    """The mixer ``name`` as it decodes: causal, with the options of its op (aft-local's window)."""
-    options = op.options if op else {}
-    return build_mixer(
-        name, d_model=s.d, n_heads=s.h, causal=True, max_seq_len=max_seq_len, **options
-    )
 
 
 class WKV(torch.nn.Module):
@@ -272,34 +267,38 @@ class WKV(torch.nn.Module):
         return aft_decay_reference(self.q, x, x, self.time_decay.exp(), self.time_first)
 
 
-def _ours(name: str) -> Callable[[Shape], torch.nn.Module]:
-    return lambda s: build_mixer(name, d_model=s.d, n_heads=1, causal=False, max_seq_len=s.T)
-
-
-def _wkv(impl: str) -> Callable[[Shape], torch.nn.Module]:
-    return lambda s: WKV(s, impl)
-
-
-def _aft_pytorch(cls: str) -> Callable[[Shape], torch.nn.Module]:
-    return lambda s: getattr(import_module("aft_pytorch"), cls)(
-        max_seqlen=s.T, dim=s.d, hidden_dim=s.d
-    )
-
-
-#: Peers (module level): the module they import, its package, and ``(ours, builder, theirs,
-#: builder)`` pairs; a builder takes the :class:`Shape`. aft-pytorch non-causal, hf-rwkv causal.
-PEERS: dict[str, tuple[str, str, list[tuple[str, Callable, str, Callable]]]] = {
-    "aft-pytorch": (
-        "aft_pytorch",
-        "aft-pytorch",
-        [
-            ("aft-full", _ours("aft-full"), "AFTFull", _aft_pytorch("AFTFull")),
-            ("aft-simple", _ours("aft-simple"), "AFTSimple", _aft_pytorch("AFTSimple")),
-        ],
-    ),
-    "hf-rwkv": (
-        "transformers",
-        "transformers",
-        [("aft-decay", _wkv("aftlab"), "rwkv_linear_attention_cpu", _wkv("hf-rwkv"))],
-    ),
+#: Peers: their package (imported as ``package.replace("-", "_")``) and their module beside each
+#: of ours (aft-pytorch non-causal, hf-rwkv causal); :func:`peer_module` builds them.
+PEERS: dict[str, tuple[str, dict[str, str]]] = {
+    "aft-pytorch": ("aft-pytorch", {"aft-full": "AFTFull", "aft-simple": "AFTSimple"}),
+    "hf-rwkv": ("transformers", {"aft-decay": "rwkv_linear_attention_cpu"}),
 }
+
+
+def peer_module(peer: str, impl: str, variant: str, s: Shape) -> torch.nn.Module:
+    """Module ``variant`` of ``impl`` (``"aftlab"`` or the peer) in the pairs of ``peer``."""
+    if peer == "hf-rwkv":
+        return WKV(s, impl)
+    if impl == "aftlab":
+        return build_mixer(variant, d_model=s.d, n_heads=1, causal=False, max_seq_len=s.T)
+    return getattr(import_module("aft_pytorch"), variant)(max_seqlen=s.T, dim=s.d, hidden_dim=s.d)
+
+
+def prepare(spec: Spec, op: Op | None, dtype, device, *, seed: int, reference: bool = False):
+    """``(f, x, leaves)``: ``f(x)`` is one forward of the op, peer module or (decode) mixer of
+    ``spec`` (``reference``: in float64 from the formula, None if none; a mixer's is its own
+    forward); ``leaves`` by name. Inputs and weights are drawn from ``seed``, then cast."""
+    s, gen, _ = spec.shape, torch.Generator().manual_seed(seed), torch.manual_seed(seed)
+    op = op or cases().get(spec.name)
+    if ":" not in spec.name and spec.mode != "decode":
+        x, f = op.make(s, spec.causal, dtype, device, gen), op.reference if reference else op.fast
+        return (lambda x: f(*x.values(), causal=spec.causal)), x, x
+    if decode := spec.mode == "decode":  # the causal mixer with the options of its op
+        kw = dict(d_model=s.d, n_heads=s.h, causal=True, max_seq_len=s.T)
+        m = build_mixer(spec.name, **kw, **(op.options if op else {}))
+    else:
+        m = peer_module(*spec.name.split(":"), s)
+    m = m.eval().to(device=device, dtype=dtype)
+    x = torch.randn(s.B, s.T, s.d, generator=gen, dtype=torch.float64).to(device, dtype)
+    f = getattr(m, "reference", None) if reference and not decode else m
+    return f, x, {"x": x, **dict(m.named_parameters())}

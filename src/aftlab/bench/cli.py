@@ -1,17 +1,16 @@
 """``aftlab bench`` (and ``python -m aftlab.bench``): an option per field of
-:class:`~aftlab.bench.runner.BenchConfig` that has a help, plus ``--no-isolate`` and
-``--compare-aft-pytorch``. See docs/benchmarks.md."""
+:class:`~aftlab.bench.runner.BenchConfig` that has a help, plus ``--compare-aft-pytorch``. See
+docs/benchmarks.md."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
 from functools import partial
 
 from ..train.errors import UsageError
 from .cases import cases
-from .runner import BenchConfig, run_bench
+from .runner import BenchConfig, kind, run_bench
 
 
 def _split(kind: type, text: str) -> list:
@@ -26,22 +25,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``bench`` options to ``parser`` (each defaults to None: the field's default)."""
     defaults = BenchConfig()
     for f in (f for f in dataclasses.fields(BenchConfig) if "help" in f.metadata):
-        default, flag = getattr(defaults, f.name), "--" + f.name.replace("_", "-")
-        if isinstance(default, bool):
-            parser.add_argument(flag, action="store_true", default=None, help=f.metadata["help"])
-            continue
-        is_list, name = re.match(r"(list\[)?(\w+)", f.type).groups()  # e.g. "list[int] | None"
-        kind = {"int": int, "float": float}.get(name, str)
+        (is_list, kind_), default = kind(f), getattr(defaults, f.name)
         shown = ",".join(map(str, default)) if is_list and default else default
-        more = f" (default: {shown})" if shown not in (None, "", []) else ""
+        more = f" (default: {shown})" if shown not in (None, "", [], False, True) else ""
         more += f"; of {', '.join(cases())}" * (f.name == "mixers")
+        kw = {"type": partial(_split, kind_) if is_list else kind_}
+        if kind_ is bool:  # --causal, --no-isolate
+            kw = {"action": argparse.BooleanOptionalAction}
         help = (f.metadata["help"] + more).replace("%", "%%")
-        parser.add_argument(flag, type=partial(_split, kind) if is_list else kind, help=help)
-    no_isolate = "run CPU cases in this process instead of a fresh one each"
-    parser.add_argument("--no-isolate", dest="isolate", action="store_false", help=no_isolate)
-    parser.add_argument(
-        "--compare-aft-pytorch", action="store_true", help="the same as --peers aft-pytorch"
-    )
+        parser.add_argument("--" + f.name.replace("_", "-"), default=None, help=help, **kw)
+    help = "the same as --peers aft-pytorch"
+    parser.add_argument("--compare-aft-pytorch", action="store_true", help=help)
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:

@@ -1,6 +1,7 @@
-"""Measuring for ``aftlab bench``: the machine and its limits, a case's times and its peak memory
-above the inputs, on CPU in a fresh process per case. See docs/benchmarks.md, "How it is
-measured"."""
+"""Measuring one case of ``aftlab bench``: the correctness gate (no case is timed before its
+computation, at a small shape, matches its float64 reference), its times and its peak memory
+above the inputs (on CPU in a fresh process per case); and the machine and its limits. See
+docs/benchmarks.md, "How it is measured" and "Correctness gate"."""
 
 from __future__ import annotations
 
@@ -12,27 +13,81 @@ import os
 import platform
 import sys
 import time
+import traceback
 from collections.abc import Callable
+from functools import partial
 from statistics import median
 from typing import Any, NamedTuple
 
 import torch
 
-from .cases import PEERS, Op, Shape, cases, decoder
-from .gate import first_line
+from ..testing import assert_close, decode, max_error
+from .cases import Op, Shape, Spec, cases, prepare
 
 SLOW_CALL_S = 1.0  # a first call slower than this is also the memory call
 
 
-class Spec(NamedTuple):
-    """One case, picklable: ``name`` is a case of :func:`cases` or a peer's module
-    ``"<peer>:<impl>:<variant>"``; ``cfg`` is the run's ``BenchConfig``."""
+class Gate(NamedTuple):
+    """``status``: ``"passed"`` (with the largest error), ``"failed"``, ``"unavailable"`` (op or
+    reference missing: skipped) or ``"unchecked"`` (a peer without a reference: timed)."""
 
-    name: str
-    mode: str
-    causal: bool
-    shape: Shape
-    cfg: Any
+    status: str
+    note: str = ""
+    max_error: float | None = None
+
+
+def gate_shape(s: Shape) -> Shape:
+    """``B <= 2``, ``T <= 71`` (past aft-local's band of 2 x 32), at most 8 channels per head."""
+    return Shape(min(s.B, 2), min(s.T, 71), s.h * min(s.c, 8), s.h, s.esize)
+
+
+def first_line(e: BaseException) -> str:
+    """``"Type: message"``, the message's first line only."""
+    return traceback.format_exception_only(e)[-1].strip().splitlines()[0]
+
+
+def _steps(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``m.step`` from ``m.init_state`` over ``x (B, T, d)``, token by token: ``(B, T, d)``."""
+    return decode(m, x)[0]
+
+
+def _check(spec: Spec, op: Op | None, dtype, device) -> float | None:
+    """The output (train: and the gradient of every leaf for the same ``dy``; decode: the steps)
+    against the float64 reference; the largest error (None: a peer's module without one)."""
+    f64, x64, leaves64 = prepare(spec, op, torch.float64, "cpu", seed=1234, reference=True)
+    if f64 is None:
+        return None
+    f, x, leaves = prepare(spec, op, dtype, device, seed=1234)
+    train, f = spec.mode == "train", partial(_steps, f) if spec.mode == "decode" else f
+    outs = []  # [y, dy/dleaf...] of each; a leaf the output does not use: a zero gradient
+    for fn, inputs, ts in ((f, x, leaves), (f64, x64, leaves64)):
+        ts = [t.requires_grad_(train) for t in ts.values()] if train else []
+        with torch.set_grad_enabled(train):
+            y = fn(inputs)
+        dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        g = torch.autograd.grad(y, ts, dy.to(y), allow_unused=True) if train else ()
+        outs.append(
+            [y, *(torch.zeros_like(t) if a is None else a for t, a in zip(ts, g, strict=True))]
+        )
+    names = ["y", *(f"d{n}" for n in leaves if train)]
+    for what, a, e in zip(names, *outs, strict=True):
+        assert_close(f"{spec.name.split(':')[-1]} {what}", a, e)
+    return max(max_error(a.detach(), e.detach()) for a, e in zip(*outs, strict=True))
+
+
+def check(spec: Spec, op: Op | None, dtype, device) -> Gate:
+    """Gate ``spec`` at :func:`gate_shape` (decode: the mixer's steps against its forward)."""
+    try:
+        err = _check(spec._replace(shape=gate_shape(spec.shape)), op, dtype, device)
+    except AssertionError as e:
+        return Gate("failed", f"correctness gate failed: {first_line(e)}")
+    except (NotImplementedError, LookupError) as e:
+        return Gate("unavailable", f"not available: {first_line(e)}")
+    except Exception as e:  # a crash at the gate is a failure of the case, reported as such
+        return Gate("failed", f"correctness gate raised {first_line(e)}")
+    if err is None:
+        return Gate("unchecked", "no float64 reference: outputs not compared")
+    return Gate("passed", max_error=err)
 
 
 def _proc(path: str, key: str) -> str:
@@ -45,14 +100,9 @@ def _proc(path: str, key: str) -> str:
     return next((v.strip() for k, _, v in fields if k.strip() == key), "")
 
 
-def _proc_bytes(path: str, key: str) -> int:
+def proc_bytes(path: str, key: str) -> int:
     """A ``/proc`` field in KiB (``"1234 kB"``), in bytes; 0 if absent."""
     return int((_proc(path, key) or "0").split()[0]) * 1024
-
-
-def mem_available() -> int:
-    """Bytes of memory available (``MemAvailable``; 8 GiB if unknown)."""
-    return _proc_bytes("meminfo", "MemAvailable") or 8 * 2**30
 
 
 def machine_info(device: torch.device, argv: list[str] | None = None) -> dict:
@@ -62,7 +112,7 @@ def machine_info(device: torch.device, argv: list[str] | None = None) -> dict:
         "cpu_model": _proc("cpuinfo", "model name") or platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "cpu_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "mem_total_bytes": _proc_bytes("meminfo", "MemTotal") or None,
+        "mem_total_bytes": proc_bytes("meminfo", "MemTotal") or None,
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -95,16 +145,17 @@ def measure_limits(device: torch.device, dtype: torch.dtype, *, size: str = "ful
     n = 256 if size == "tiny" else (8192 if device.type == "cuda" else 2048)
     m = 2**16 if size == "tiny" else 2**26
 
-    def seconds(fn):
+    def rate(work: float, fn: Callable[[], object]) -> float:
         fn()
-        return median(timed(fn, device) for _ in range(5))
+        return work / median(timed(fn, device) for _ in range(5))
 
     ab = [torch.randn(n, n, **kw), torch.randn(n, n, **kw)]
-    gemm = 2.0 * n**3 / seconds(lambda: ab[0] @ ab[1])
-    ab.clear()
+    gemm = rate(2.0 * n**3, lambda: ab[0] @ ab[1])
+    ab.clear()  # freed before the vectors are allocated
     x, y, z = torch.randn(m, **kw), torch.empty(m, **kw), torch.empty(m, **kw)
-    copy = 2 * m * x.element_size() / seconds(lambda: y.copy_(x))
-    add = 3 * m * x.element_size() / seconds(lambda: torch.add(x, y, out=z))
+    nbytes = m * x.element_size()
+    copy = rate(2 * nbytes, lambda: y.copy_(x))
+    add = rate(3 * nbytes, lambda: torch.add(x, y, out=z))
     return {
         "gemm_flops_per_s": gemm,
         "bandwidth_bytes_per_s": max(copy, add),
@@ -116,16 +167,15 @@ def measure_limits(device: torch.device, dtype: torch.dtype, *, size: str = "ful
     }
 
 
-def tensor_bytes(obj: Any, _seen: set[int] | None = None) -> int:
-    """Bytes held by the tensors inside ``obj`` (dataclasses, dicts, lists, tuples), each once."""
-    seen = set() if _seen is None else _seen
+def tensor_bytes(obj: Any, seen: set[int] | None = None) -> int:
+    """Bytes held by the tensors inside ``obj`` (objects, dicts, lists, tuples), each once."""
+    seen = set() if seen is None else seen
     if isinstance(obj, torch.Tensor):
-        key = obj.untyped_storage().data_ptr()
-        new = key not in seen
-        seen.add(key)
-        return obj.untyped_storage().nbytes() if new else 0
-    if isinstance(obj, dict) or hasattr(obj, "__dict__"):
-        obj = list(obj.values() if isinstance(obj, dict) else vars(obj).values())
+        storage, new = obj.untyped_storage(), obj.untyped_storage().data_ptr() not in seen
+        seen.add(storage.data_ptr())
+        return storage.nbytes() if new else 0
+    obj = vars(obj) if hasattr(obj, "__dict__") else obj
+    obj = list(obj.values()) if isinstance(obj, dict) else obj
     return sum(tensor_bytes(v, seen) for v in obj) if isinstance(obj, (list, tuple)) else 0
 
 
@@ -143,27 +193,25 @@ def peak_memory(fn: Callable[[], object], device: torch.device) -> tuple[int | N
             f.write("5")
     except OSError:
         return None, "unavailable (no /proc/self/clear_refs)", timed(fn, device)
-    base = _proc_bytes("self/status", "VmRSS")
+    base = proc_bytes("self/status", "VmRSS")
     seconds = timed(fn, device)
-    return max(0, _proc_bytes("self/status", "VmHWM") - base), "VmHWM - VmRSS", seconds
+    return max(0, proc_bytes("self/status", "VmHWM") - base), "VmHWM - VmRSS", seconds
 
 
 def _setup(spec: Spec, op: Op | None, device, dtype) -> tuple[Callable, dict]:
     """``(fn, info)``: ``fn`` is one call of the case; ``info`` goes into its row.
 
-    * op, forward: under ``no_grad``; train: ``autograd.grad`` of every input for a fixed ``dy``;
+    * forward: under ``no_grad``; train: ``autograd.grad`` of every leaf for a fixed ``dy``;
     * decode: the mixer's ``step`` from its ``prefill`` state at ``T`` (timed at ``T, T+1, ...``);
-    * a peer's module on ``x (B, T, d)``: forward, or the gradients of ``x`` and its parameters;
-      and whether its output is finite on ``x`` and on ``1000 x``.
+    * a peer's module: also whether its output is finite on ``x`` and on ``1000 x``.
     """
     s, cfg = spec.shape, spec.cfg
-    gen, _ = torch.Generator().manual_seed(cfg.seed), torch.manual_seed(cfg.seed)
-    extra = cfg.warmup + cfg.repeats + 8 if spec.mode == "decode" else 0
-    x = torch.randn(s.B, s.T + extra, s.d, generator=gen).to(device=device, dtype=dtype)
     if spec.mode == "decode":
-        m = decoder(spec.name, op or cases()[spec.name], s, s.T + extra).to(device, dtype)
+        extra = cfg.warmup + cfg.repeats + 8
+        long = spec._replace(shape=Shape(s.B, s.T + extra, s.d, s.h, s.esize))
+        m, x, _ = prepare(long, op, dtype, device, seed=cfg.seed)
         with torch.inference_mode():
-            box = {"state": m.eval().prefill(x[:, : s.T])[1], "t": s.T}
+            box = {"state": m.prefill(x[:, : s.T])[1], "t": s.T}
 
         @torch.inference_mode()
         def step():
@@ -172,39 +220,24 @@ def _setup(spec: Spec, op: Op | None, device, dtype) -> tuple[Callable, dict]:
             return y
 
         return step, {"state_bytes": tensor_bytes(box["state"])}
+    f, x, leaves = prepare(spec, op, dtype, device, seed=cfg.seed)
+    info = {}
     if ":" in spec.name:
-        peer, impl, variant = spec.name.split(":")
-        pair = next(p for p in PEERS[peer][2] if variant in (p[0], p[2]))
-        f = (pair[1] if impl == "aftlab" else pair[3])(s).to(device=device, dtype=dtype)
         with torch.no_grad():
             info = {"finite": bool(f(x).isfinite().all())}
             info["finite_large_input"] = bool(f(x * 1000.0).isfinite().all())
-        leaves = [x, *f.parameters()]
-    else:
-        op = op or cases()[spec.name]
-        x, info = op.make(s, spec.causal, dtype, device, gen), {}
-        leaves = list(x.values())
-
-        def f(x):
-            return op.fast(x, spec.causal)
-
     if spec.mode == "forward":
         return torch.no_grad()(lambda: f(x)), info
     dy = torch.randn_like(torch.no_grad()(f)(x))
-    leaves = [t.requires_grad_(True) for t in leaves]
+    leaves = [t.requires_grad_(True) for t in leaves.values()]
     return lambda: torch.autograd.grad(f(x), leaves, dy), info
 
 
 def run_case(spec: Spec, op: Op | None = None, where: str = "in-process") -> dict:
-    """Prime at a tiny size (one-time costs counted nowhere), set up, warm up, measure the peak
-    memory once (a first call over :data:`SLOW_CALL_S` is warm-up and memory call), then time up
-    to ``repeats`` calls within ``max_seconds_per_case`` (at least one).
-
-    Returns:
-        The row's ``status`` (``"ok"``, ``"skipped"`` or ``"error"``) and ``note``; if ok its
-        ``time_median_s``, ``time_min_s``, ``repeats``, ``peak_bytes``, ``mem_method`` (+
-        ``where``) and the case's own fields (``state_bytes``, a peer's ``finite``...).
-    """
+    """The row's measured fields: prime at a tiny size (one-time costs counted nowhere), set up,
+    warm up, measure the peak memory once (a first call over :data:`SLOW_CALL_S` is warm-up and
+    memory call), then time up to ``repeats`` calls within ``max_seconds_per_case`` (at least
+    one); ``status`` ``"ok"``, ``"skipped"`` (out of memory) or ``"error"``."""
     cfg, s = spec.cfg, spec.shape
     deadline = time.perf_counter() + cfg.max_seconds_per_case
     torch.set_num_threads(cfg.threads)
@@ -251,8 +284,15 @@ def _child(spec: Spec, conn) -> None:
         conn.close()
 
 
-def run_isolated(spec: Spec, *, timeout: float) -> dict:
-    """:func:`run_case` in a fresh process; a crash or a time-out becomes a reported note."""
+def execute(spec: Spec, op: Op | None, isolate: bool) -> dict:
+    """:func:`run_case`, in a fresh process if ``isolate`` and possible (a crash or a time-out
+    becomes a reported note). A child re-imports the main script, so it needs one that exists;
+    a case not built in (``run_bench(cases=...)``) runs here."""
+    main = sys.modules.get("__main__")
+    path, timeout = getattr(main, "__file__", None), 3 * spec.cfg.max_seconds_per_case + 60
+    child_ok = getattr(main, "__spec__", None) is not None or path is None or os.path.exists(path)
+    if not (isolate and child_ok and (op is None or op == cases().get(spec.name))):
+        return run_case(spec, op)
     ctx = mp.get_context("forkserver" if "forkserver" in mp.get_all_start_methods() else None)
     ctx.set_forkserver_preload(["aftlab.bench.measure"])  # ignored by the other methods
     parent, child = ctx.Pipe(duplex=False)
@@ -273,15 +313,3 @@ def run_isolated(spec: Spec, *, timeout: float) -> dict:
             p.kill()
         p.join(5)
         parent.close()
-
-
-def execute(spec: Spec, op: Op | None, isolate: bool) -> dict:
-    """Run ``spec`` isolated if asked and possible, else here. A child re-imports the main
-    script, so it needs one that exists; a case not built in (``run_bench(cases=...)``) runs
-    here."""
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    child_ok = getattr(main, "__spec__", None) is not None or path is None or os.path.exists(path)
-    if isolate and child_ok and (op is None or op == cases().get(spec.name)):
-        return run_isolated(spec, timeout=3 * spec.cfg.max_seconds_per_case + 60)
-    return run_case(spec, op)

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import csv
 import math
+from collections.abc import Callable
+from operator import itemgetter
 from pathlib import Path
+from typing import Any
 
 from .._json import dumps
 
@@ -62,21 +65,33 @@ def ratios(result: dict) -> list[dict]:
 
 
 def cell(r: dict) -> str:
-    """``median time / peak memory / time over floor``, or the status of a row not measured."""
+    """``median time / peak memory / time over floor`` (a peer's: ``/ finite on x, on 1000 x``),
+    or the status of a row not measured."""
     if r["status"] != "ok":
         return r["status"]
     t, mem = r["time_median_s"], r["peak_bytes"]
     floor = f" / {r['ratio_to_floor']:.1f}x" if r.get("ratio_to_floor") else ""
+    finite = f" / finite {r['finite']}, {r['finite_large_input']}" if "finite" in r else ""
     time = f"{t * 1e3:.3g} ms" if t < 1 else f"{t:.3g} s"
-    return f"{time} / {'n/a' if mem is None else f'{mem / 2**20:.3g} MiB'}{floor}"
+    return f"{time} / {'n/a' if mem is None else f'{mem / 2**20:.3g} MiB'}{floor}{finite}"
 
 
-def _table(head: str, rows: dict[str, dict[int, str]]) -> list[str]:
-    """A Markdown table: one row per key of ``rows``, a column per T."""
+def _grid(rows, label: Callable[[dict], Any], value: Callable[[dict], Any]) -> dict[Any, dict]:
+    """``{label(r): {T: value(r)}}`` over ``rows``, in their order."""
+    grid: dict[Any, dict] = {}
+    for r in rows:
+        grid.setdefault(label(r), {})[r["T"]] = value(r)
+    return grid
+
+
+def _table(title: str, head: str, rows: dict[str, dict[int, str]]) -> list[str]:
+    """``## title`` and a Markdown table: a row per key of ``rows``, a column per T (no rows:
+    nothing)."""
     Ts = sorted({T for cells in rows.values() for T in cells})
-    lines = [f"| {head} | " + " | ".join(f"T={T}" for T in Ts) + " |", "|---|" + "---|" * len(Ts)]
+    lines = [f"## {title}", "", f"| {head} | " + " | ".join(f"T={T}" for T in Ts) + " |"]
+    lines += ["|---|" + "---|" * len(Ts)]
     lines += [f"| {k} | " + " | ".join(c.get(T, "") for T in Ts) + " |" for k, c in rows.items()]
-    return [*lines, ""]
+    return [*lines, ""] if rows else []
 
 
 def summary_markdown(result: dict) -> str:
@@ -96,53 +111,40 @@ def summary_markdown(result: dict) -> str:
         "median time / peak memory above the inputs / time over floor", "",
     ]  # fmt: skip
     for mode, title in TITLES.items():
-        cells: dict[str, dict[int, str]] = {}
-        for r in (r for r in rows if r["mode"] == mode):
-            cells.setdefault(_label(r), {})[r["T"]] = cell(r)
-        lines += [f"## {title}", "", *_table("mixer", cells)] if cells else []
-    notes: dict[tuple, list[int]] = {}
-    for r in (r for r in rows if r["status"] != "ok"):
-        notes.setdefault((_label(r), r["mode"], r["status"], r["note"]), []).append(r["T"])
-    if notes:
-        lines += ["## Not measured", ""]
-        lines += [
-            f"- {lab} {mode} T={','.join(map(str, Ts))}: **{status}**: {note}"
-            for (lab, mode, status, note), Ts in notes.items()
-        ]
-        lines.append("")
-    ratio_cells: dict[str, dict[int, str]] = {}
-    for x in result.get("ratios", []):
-        ratio_cells.setdefault(f"{x['ratio']} ({x['mode']})", {})[x["T"]] = f"{x['value']:.3g}"
-    if ratio_cells:
-        lines += ["## Measured ratios", "", *_table("ratio (mode)", ratio_cells)]
-    lines += _peers(result.get("compare", []))
+        lines += _table(title, "mixer", _grid([r for r in rows if r["mode"] == mode], _label, cell))
+    bad = [r for r in rows if r["status"] != "ok"]
+    notes = _grid(bad, lambda r: (_label(r), r["mode"], r["status"], r["note"]), lambda r: 0)
+    lines += ["## Not measured", ""] if notes else []
+    for (lab, mode, status, note), Ts in notes.items():
+        lines.append(f"- {lab} {mode} T={','.join(map(str, Ts))}: **{status}**: {note}")
+    lines += [""] if notes else []
+    ratio = _grid(
+        result["ratios"], lambda x: f"{x['ratio']} ({x['mode']})", "{0[value]:.3g}".format
+    )
+    lines += _table("Measured ratios", "ratio (mode)", ratio) + _peers(result["compare"])
     return "\n".join(lines)
 
 
 def _peers(rows: list[dict]) -> list[str]:
-    """The peers' table: a row per module and mode, cells ``time / peak memory / finite on x, on
-    1000 x`` and, for theirs, how much faster ours is."""
+    """The peers' table: a row per module and mode, and for theirs how much faster ours is."""
     ours = {
         (r["peer"], r["pair"], r["mode"], r["T"]): r["time_median_s"]
         for r in rows
         if r.get("impl") == "aftlab" and r["status"] == "ok"
     }
-    cells: dict[str, dict[int, str]] = {}
-    for r in rows:
-        if not r.get("impl"):
-            cells[f"{r['peer']}: {r['note']}"] = {}
-            continue
+
+    def text(r: dict) -> str:
         mine = ours.get((r["peer"], r["pair"], r["mode"], r["T"]))
-        text = (
-            f"{r['status']}: {r['note']}"
-            if r["status"] != "ok"
-            else (f"{cell(r)} / finite {r['finite']}, {r['finite_large_input']}")
-        )
-        if r["impl"] != "aftlab" and mine and r["status"] == "ok":
-            text += f" / aftlab {r['time_median_s'] / mine:.3g}x faster"
-        cells.setdefault(f"{r['peer']} {r['impl']} {r['variant']} ({r['mode']})", {})[r["T"]] = text
-    head = "## Against peers (module level; aft-pytorch non-causal, hf-rwkv causal)"
-    return [head, "", *_table("peer implementation (mode)", cells)] if cells else []
+        if r["status"] != "ok":
+            return f"{r['status']}: {r['note']}"
+        faster = r["impl"] != "aftlab" and mine
+        return cell(r) + (f" / aftlab {r['time_median_s'] / mine:.3g}x faster" if faster else "")
+
+    cells = {f"{r['peer']}: {r['note']}": {} for r in rows if not r.get("impl")}
+    modules = [r for r in rows if r.get("impl")]
+    cells |= _grid(modules, lambda r: f"{r['peer']} {r['impl']} {r['variant']} ({r['mode']})", text)
+    head = "Against peers (module level; aft-pytorch non-causal, hf-rwkv causal)"
+    return _table(head, "peer implementation (mode)", cells)
 
 
 def write_plots(result: dict, out: Path) -> tuple[list[Path], str]:
@@ -155,30 +157,22 @@ def write_plots(result: dict, out: Path) -> tuple[list[Path], str]:
     except ImportError:
         return [], "matplotlib is not installed (pip install 'aftlab[plot]')"
     m, cfg, made = result["machine"], result["config"], []
+    panels = (
+        ("time_median_s", 1e3, "median time (ms)"),
+        ("peak_bytes", 2**-20, "peak memory above inputs (MiB)"),
+    )
     for mode, title in TITLES.items():
-        ok = sorted(
-            (r for r in result["results"] if r["mode"] == mode and r["status"] == "ok"),
-            key=lambda r: r["T"],
-        )
+        ok = [r for r in result["results"] if r["mode"] == mode and r["status"] == "ok"]
         if not ok:
             continue
         fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-        panels = (
-            ("time_median_s", 1e3, "median time (ms)"),
-            ("peak_bytes", 2**-20, "peak memory above inputs (MiB)"),
-        )
         for ax, (key, scale, unit) in zip(axes, panels, strict=True):
-            for lab in dict.fromkeys(_label(r) for r in ok):
-                pts = [
-                    (r["T"], max(r[key] * scale, 1e-6)) for r in ok if _label(r) == lab and r[key]
-                ]
+            for lab, pts in _grid(ok, _label, itemgetter(key)).items():
+                pts = sorted((T, max(v * scale, 1e-6)) for T, v in pts.items() if v)
                 if pts:
                     ax.plot(*zip(*pts, strict=True), marker="o", label=lab)
-            ax.set(
-                yscale="log",
-                ylabel=unit,
-                xlabel="position T" if mode == "decode" else "sequence length T",
-            )
+            xlabel = "position T" if mode == "decode" else "sequence length T"
+            ax.set(yscale="log", ylabel=unit, xlabel=xlabel)
             ax.set_xscale("log", base=2)
             ax.grid(True, which="both", alpha=0.3)
         axes[0].legend(fontsize=7)

@@ -9,21 +9,18 @@ import os
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from functools import partial
+from dataclasses import Field, dataclass, field, fields
+from itertools import product
 from pathlib import Path
 
 import torch
 
-from .cases import MATMUL, MODES, PEERS, Op, Shape
+from .cases import MATMUL, MODES, PEERS, Op, Shape, Spec
 from .cases import cases as all_cases
-from .gate import check_case, check_module, gate_shape
-from .measure import Spec, execute, machine_info, measure_limits, mem_available
+from .measure import check, execute, gate_shape, machine_info, measure_limits, proc_bytes
 from .report import ROW_FIELDS, cell, ratios, write_report
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
-INTS = "lengths decode_positions compare_lengths batch dim heads threads repeats warmup".split()
-FLOATS = ["max_seconds_per_case", "max_memory_gb", "max_total_minutes"]
 
 
 def _opt(default, help: str):
@@ -31,6 +28,12 @@ def _opt(default, help: str):
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata={"help": help})
     return field(default=default, metadata={"help": help})
+
+
+def kind(f: Field) -> tuple[bool, type]:
+    """``(is a list, element type)`` of a :class:`BenchConfig` field, e.g. ``list[int] | None``."""
+    is_list, name = re.match(r"(list\[)?(\w+)", f.type).groups()
+    return bool(is_list), {"int": int, "float": float, "bool": bool}.get(name, str)
 
 
 @dataclass
@@ -53,7 +56,7 @@ class BenchConfig:
     warmup: int = _opt(1, "untimed calls first")
     max_seconds_per_case: float = _opt(60.0, "time budget of one case")
     max_memory_gb: float | None = _opt(None, "skip cases estimated above it (default: 60% free)")
-    isolate: bool = True  # on CPU, each case in a fresh process (--no-isolate: False)
+    isolate: bool = _opt(True, "on CPU, each case in a fresh process (default: yes)")
     peers: list[str] = _opt([], f"implementations beside ours: {', '.join(PEERS)}")
     compare_lengths: list[int] | None = _opt(None, "lengths of the peers (the lengths <= 4096)")
     max_total_minutes: float | None = _opt(None, "then skip the remaining cases (no limit)")
@@ -66,9 +69,10 @@ class BenchConfig:
         self.mixers = self.mixers or [n for n in table if table[n] is not MATMUL]
         self.peers = list(dict.fromkeys(self.peers))
         out = Path(self.out) if self.out is not None else None
-        checks = [
-            (n, _positive(getattr(self, n), n in INTS), "integers > 0" if n in INTS else "> 0")
-            for n in INTS + FLOATS
+        checks = [  # every number (the seed: any int) finite and above 0
+            (f.name, _positive(getattr(self, f.name), k), "integers > 0" if k is int else "> 0")
+            for f in fields(self)
+            if (k := kind(f)[1]) in (int, float) and f.name != "seed"
         ]
         checks += [
             ("mixers", set(self.mixers) <= set(table), f"some of {list(table)}"),
@@ -87,14 +91,11 @@ class BenchConfig:
                 raise ValueError(f"bench: --{flag} must be {want}, got {getattr(self, name)!r}")
 
 
-def _positive(v, integer: bool) -> bool:
-    """``v`` is None, or a finite number above 0 (a list: not empty, each)."""
-    kind = int if integer else (int, float)
-
-    def ok(x) -> bool:
-        return isinstance(x, kind) and not isinstance(x, bool) and 0 < x < math.inf
-
-    return v is None or (v != [] and all(map(ok, v if isinstance(v, list) else [v])))
+def _positive(v, kind: type) -> bool:
+    """``v`` is None, or a finite number above 0 of ``kind`` (a list: not empty, each)."""
+    kinds, vs = int if kind is int else (int, float), v if isinstance(v, list) else [v]
+    ok = [isinstance(x, kinds) and not isinstance(x, bool) and 0 < x < math.inf for x in vs]
+    return v is None or (vs != [] and all(ok))
 
 
 def run_bench(
@@ -104,20 +105,14 @@ def run_bench(
     argv: list[str] | None = None,
     log: Callable[[str], None] | None = print,
 ) -> dict:
-    """Run the benchmark described by ``cfg``; write the report into ``cfg.out`` if set.
+    """Run the benchmark of ``cfg``; write the report into ``cfg.out`` if set; return
+    ``{"machine", "limits", "config", "results", "compare", "ratios", "wall_s"}``.
 
     Args:
-        cfg: the options.
-        cases: the case table (default :func:`aftlab.bench.cases.cases`): the hook for adding or
-            replacing a case (e.g. a wrong op, which the gate must refuse); a case that is not
-            the built-in one runs in this process, not isolated.
+        cases: the case table (default :func:`aftlab.bench.cases.cases`), to add or replace a
+            case (e.g. a wrong op, which the gate must refuse); one not built in runs here.
         argv: the command line recorded in the report (default ``sys.argv``).
         log: called with one line per case as the run progresses (None: silent).
-
-    Returns:
-        ``{"machine", "limits", "config", "results": [rows], "compare": [rows], "ratios",
-        "wall_s"}``; each row's ``status`` is ``"ok"``, ``"failed"`` (gate), ``"skipped"`` or
-        ``"error"``, with a ``note`` for all but ``"ok"``.
     """
     table = all_cases() if cases is None else {"aft-full-matmul": MATMUL, **cases}
     cfg.validate(table)
@@ -151,7 +146,7 @@ def run_bench(
 
 
 class _Run:
-    """One run's settings and clock; each case and peer becomes rows through :meth:`_sweep`."""
+    """One run's settings and clock; each case and peer becomes rows through :meth:`sweep`."""
 
     def __init__(self, cfg: BenchConfig, say: Callable[[str], None]):
         self.cfg, self.say, self.t0, self.gates = cfg, say, time.perf_counter(), {}
@@ -161,89 +156,96 @@ class _Run:
         cfg.threads = torch.get_num_threads()  # the case processes use the same
         self.isolate = cfg.isolate and self.device.type == "cpu"
         self.esize = torch.empty((), dtype=self.dtype).element_size()
-        free = torch.cuda.mem_get_info(self.device)[0] if cfg.device == "cuda" else mem_available()
+        free = proc_bytes("meminfo", "MemAvailable") or 8 * 2**30  # unknown: 8 GiB
+        free = torch.cuda.mem_get_info(self.device)[0] if cfg.device == "cuda" else free
         self.mem_limit = 2**30 * cfg.max_memory_gb if cfg.max_memory_gb else 0.6 * free
 
-    def row(self, mode: str, T: int, **kw) -> dict:
-        """A result row (:data:`ROW_FIELDS`, unset: None) of this run."""
-        c = self.cfg
-        base = dict(mode=mode, T=T, B=c.batch, d=c.dim, dtype=c.dtype, device=c.device)
-        return {**dict.fromkeys(ROW_FIELDS), **base, "threads": c.threads, **kw}
+    def costs(self, spec: Spec, op: Op | None) -> dict:
+        """The floors (:meth:`Op.floors`) and estimated peak of ``spec``, as far as known."""
+        s, variant = spec.shape, spec.name.split(":")[-1]
+        if ":" in spec.name:  # a peer's module; aft-pytorch's AFTFull has two T x T temporaries
+            est = (6 if spec.mode == "train" else 3) * s.T**2 * ("full" in variant.lower())
+            return {"est_peak_bytes": (est + 30 * s.n) * s.esize}
+        if op is None or (spec.mode == "decode" and op.step is None):
+            return {}
+        return op.floors(spec.mode, s, spec.causal, self.limits)
 
     def case(self, name: str, op: Op | None, causal: bool, mode: str) -> list[dict]:
         """The rows of one case in one mode, over the lengths (decode: the positions)."""
-        causal, cfg, items, why = causal or mode == "decode", self.cfg, [], ""
+        causal, cfg, note = causal or mode == "decode", self.cfg, ""
         if mode == "decode" and op is MATMUL:
             return []
         if op is None and mode != "decode":
-            why = f"{name} has no op-level entry (aftlab.bench.cases.OPS)"
+            note = f"{name} has no op-level entry (aftlab.bench.cases.OPS)"
         elif op is not None and op.causal_only and not causal:
-            why = f"{name} is causal only (use --causal)"
-        for T in (cfg.decode_positions or cfg.lengths) if mode == "decode" else cfg.lengths:
-            s = Shape(cfg.batch, T, cfg.dim, cfg.heads, self.esize)
-            row = self.row(mode, T, mixer=name, causal=causal, heads=s.h)
-            if op is not None and (mode != "decode" or op.step is not None):
-                row.update(op.floors(mode, s, causal, self.limits))
-            gate = partial(check_case, name, op, mode, causal, s, self.dtype, self.device)
-            key = (name, mode, causal, gate_shape(s))  # gated once per gate shape
-            items.append((row, why, key, gate, Spec(name, mode, causal, s, cfg), op))
-        return self._sweep(mode, items)
+            note = f"{name} is causal only (use --causal)"
+        Ts = (cfg.decode_positions or cfg.lengths) if mode == "decode" else cfg.lengths
+        shapes = [Shape(cfg.batch, T, cfg.dim, cfg.heads, self.esize) for T in Ts]
+        specs = [Spec(name, mode, causal, s, cfg) for s in shapes]
+        label = f"{name:15s} {'causal' if causal else 'non-causal':10s}"
+        return self.sweep(specs, op, label, note, mixer=name, causal=causal, heads=cfg.heads)
 
     def peer(self, peer: str) -> list[dict]:
-        """The rows of one peer: each module of each pair gated once, then timed."""
-        module, package, pairs = PEERS[peer]
-        if importlib.util.find_spec(module) is None:
+        """The rows of one peer: each of its modules and ours beside it, in each mode."""
+        package, pairs = PEERS[peer]
+        if importlib.util.find_spec(package.replace("-", "_")) is None:
             self.say(f"{peer} skipped: {package} is not installed (pip install {package})")
             return [{"peer": peer, "status": "skipped", "note": f"{package} is not installed"}]
         cfg, rows = self.cfg, []
-        lengths = cfg.compare_lengths or [T for T in cfg.lengths if T <= 4096]
-        shape = partial(Shape, cfg.batch, d=cfg.dim, h=1, esize=self.esize)
-        for ours, build, theirs, their_build in pairs:
-            for impl, variant, b in (("aftlab", ours, build), (peer, theirs, their_build)):
-                gate = partial(check_module, b, shape(max(lengths)), self.dtype, self.device)
-                for mode in [m for m in cfg.modes if m != "decode"]:
-                    items = []
-                    for T in lengths:  # aft-pytorch's AFTFull has two T x T temporaries
-                        est = (6 if mode == "train" else 3) * T * T * ("full" in variant.lower())
-                        est = (est + 30 * cfg.batch * T * cfg.dim) * self.esize
-                        row = self.row(mode, T, peer=peer, pair=ours, impl=impl, variant=variant)
-                        spec = Spec(f"{peer}:{impl}:{variant}", mode, False, shape(T), cfg)
-                        row["est_peak_bytes"] = est
-                        items.append((row, "", (peer, impl, variant), gate, spec, None))
-                    rows += self._sweep(mode, items)
+        Ts = cfg.compare_lengths or [T for T in cfg.lengths if T <= 4096]
+        modes = [m for m in cfg.modes if m != "decode"]
+        for (ours, theirs), impl, mode in product(pairs.items(), ("aftlab", peer), modes):
+            variant = ours if impl == "aftlab" else theirs
+            shapes = [Shape(cfg.batch, T, cfg.dim, 1, self.esize) for T in Ts]
+            specs = [Spec(f"{peer}:{impl}:{variant}", mode, False, s, cfg) for s in shapes]
+            kw = dict(peer=peer, pair=ours, impl=impl, variant=variant)
+            rows += self.sweep(specs, None, f"compare {impl:11s} {variant:10s}", **kw)
         return rows
 
-    def _sweep(self, mode: str, items: list[tuple]) -> list[dict]:
-        """The rows of ``items`` by ascending T, each skipped (with the reason), refused by the
-        gate or measured. An item: ``(row, reason to skip, gate key, gate, spec, case)``."""
-        cfg, given_up, last = self.cfg, "", None
-        budget, minutes = cfg.max_seconds_per_case, cfg.max_total_minutes
-        items = sorted(items, key=lambda item: item[0]["T"])
-        for row, note, key, gate, spec, op in items:
-            T, floor = row["T"], row.get("floor_s") or 0.0
-            if note or given_up:
-                note = note or given_up
-            elif minutes and time.perf_counter() - self.t0 > 60 * minutes:
-                note = f"the run reached --max-total-minutes {minutes:g} before this case"
-            elif (row["est_peak_bytes"] or 0) > self.mem_limit:
-                note = (
-                    f"estimated peak {row['est_peak_bytes'] / 2**30:.2f} GiB exceeds the "
-                    f"memory limit {self.mem_limit / 2**30:.2f} GiB"
+    def over_limits(self, spec: Spec, row: dict, last: tuple[float, int] | None) -> str:
+        """Why ``spec`` is not run (the total time, its memory, its time budget), or ``""``.
+
+        Every case is at least linear in ``T``: from ``t0`` per call at ``T0``, 2 calls need at
+        least ``2 t0 T / T0``, and a decoding state at least ``(T - T0) t0``."""
+        budget, minutes = self.cfg.max_seconds_per_case, self.cfg.max_total_minutes
+        floor, T, (t0, T0) = row["floor_s"] or 0.0, spec.shape.T, last or (0.0, 1)
+        t = (T - T0) * t0 if spec.mode == "decode" else 2 * t0 * T / T0
+        if minutes and time.perf_counter() - self.t0 > 60 * minutes:
+            return f"the run reached --max-total-minutes {minutes:g} before this case"
+        if (row["est_peak_bytes"] or 0) > self.mem_limit:
+            return (
+                f"estimated peak {row['est_peak_bytes'] / 2**30:.2f} GiB exceeds the "
+                f"memory limit {self.mem_limit / 2**30:.2f} GiB"
+            )
+        if 2 * floor > budget:
+            return f"2 calls at the floor ({floor:.2f} s each) exceed the {budget:g} s budget"
+        if t > budget:
+            return (
+                f"{'building the state' if spec.mode == 'decode' else '2 calls'} would take >= "
+                f"{t:.0f} s (at least linear from {t0 * 1e3:.3g} ms at T={T0}), over the "
+                f"{budget:g} s budget"
+            )
+        return ""
+
+    def sweep(self, specs: list[Spec], op: Op | None, label: str, note="", **fields) -> list[dict]:
+        """The rows of one case in one mode (``fields`` in each) by ascending T, each skipped
+        (``note``, or the reason), refused by the gate (once per gate shape) or measured."""
+        cfg, given_up, last, rows = self.cfg, "", None, []
+        for spec in sorted(specs, key=lambda spec: spec.shape.T):
+            T, mode = spec.shape.T, spec.mode
+            base = dict(mode=mode, T=T, B=cfg.batch, d=cfg.dim, dtype=cfg.dtype, device=cfg.device)
+            row = {**dict.fromkeys(ROW_FIELDS), **base, "threads": cfg.threads, **fields}
+            row.update(self.costs(spec, op))
+            why = note or given_up or self.over_limits(spec, row, last)
+            if not why:  # gated once per gate shape
+                key = (spec.name, mode, spec.causal, gate_shape(spec.shape))
+                g = self.gates[key] = self.gates.get(key) or check(
+                    spec, op, self.dtype, self.device
                 )
-            elif 2 * floor > budget:
-                note = f"2 calls at the floor ({floor:.2f} s each) exceed the {budget:g} s budget"
-            elif last and _predicted(mode, T, *last) > budget:
-                note = (
-                    f"{'building the state' if mode == 'decode' else '2 calls'} would take >= "
-                    f"{_predicted(mode, T, *last):.0f} s (at least linear from "
-                    f"{last[0] * 1e3:.3g} ms at T={last[1]}), over the {budget:g} s budget"
-                )
-            g = None if note else self.gates.get(key) or self.gates.setdefault(key, gate())
-            if g is not None:
                 row.update(gate=g.status, gate_max_error=g.max_error)
-                note = g.note if g.status in ("failed", "unavailable") else ""
-            if note:
-                row.update(status="failed" if g and g.status == "failed" else "skipped", note=note)
+                why = g.note if g.status in ("failed", "unavailable") else ""
+            if why:
+                row.update(status="failed" if row["gate"] == "failed" else "skipped", note=why)
             else:
                 row.update(execute(spec, op, self.isolate))
                 if row["status"] == "ok" and row["floor_s"]:
@@ -252,21 +254,7 @@ class _Run:
                 last = (row["time_median_s"], T)
             elif row["status"] == "skipped" and re.search("budget|time limit", row["note"]):
                 given_up = given_up or f"T={T} already exceeded the time budget"
-            self.say(_progress(row))
-        return [item[0] for item in items]
-
-
-def _predicted(mode: str, T: int, t_prev: float, T_prev: int) -> float:
-    """Seconds a case at ``T`` needs at least, from ``t_prev`` per call at ``T_prev``: every mixer
-    is at least linear in ``T`` (2 calls; a decoding state passes positions ``T_prev .. T``)."""
-    return (T - T_prev) * t_prev if mode == "decode" else 2 * t_prev * T / T_prev
-
-
-def _progress(row: dict) -> str:
-    what = (
-        f"compare {row['impl']:11s} {row['variant']:10s}"
-        if row.get("peer")
-        else f"{row['mixer']:15s} {'causal' if row['causal'] else 'non-causal':10s}"
-    )
-    note = f": {row['note']}" if row["status"] != "ok" else ""
-    return f"  {what} {row['mode']:7s} T={row['T']:<6d} {cell(row)}{note}"
+            why = f": {row['note']}" if row["status"] != "ok" else ""
+            self.say(f"  {label} {mode:7s} T={T:<6d} {cell(row)}{why}")
+            rows.append(row)
+        return rows
