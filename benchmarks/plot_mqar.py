@@ -3,7 +3,8 @@
     python benchmarks/plot_mqar.py runs/mqar --out runs/mqar/accuracy_vs_T.png
 
 Reads ``OUT/d<D>-T<T>/results.json`` (``aftlab compare`` runs of benchmarks/mqar.sh; a cell split
-over several runs as ``d<D>-T<T>-<anything>/`` is read as one), prints a
+over several runs as ``d<D>-T<T>-<anything>/`` is read as one, a mixer in several of them at its
+best validation accuracy), prints a
 markdown table (rows mixer and d_model, columns T, the chosen rate's test accuracy) and writes
 one PNG (needs matplotlib).
 """
@@ -18,16 +19,26 @@ from pathlib import Path
 
 
 def collect(root: Path) -> dict[tuple[str, int], dict[int, float]]:
-    """``{(mixer, d_model): {T: test accuracy}}`` of every ``d<D>-T<T>[-*]/results.json``."""
-    acc: dict[tuple[str, int], dict[int, float]] = {}
+    """``{(mixer, d_model): {T: test accuracy}}`` of every ``d<D>-T<T>[-*]/results.json``.
+
+    A mixer run more than once in a cell (another rate in another folder) counts once: the run
+    with the best validation accuracy, as ``aftlab compare --lrs`` chooses (never the test split).
+    """
+    best: dict[tuple[str, int, int], tuple[float, float]] = {}
     for path in sorted(root.glob("d*-T*/results.json")):
         m = re.fullmatch(r"d(\d+)-T(\d+)(-.*)?", path.parent.name)
         if m is None:
             continue
         d, t = int(m[1]), int(m[2])
         for row in json.loads(path.read_text())["rows"]:
-            if row.get("test_metric") is not None:
-                acc.setdefault((row["mixer"], d), {})[t] = row["test_metric"]
+            if row.get("test_metric") is None:
+                continue
+            key, val = (row["mixer"], d, t), row.get("val_metric") or 0.0
+            if key not in best or val > best[key][0]:
+                best[key] = (val, row["test_metric"])
+    acc: dict[tuple[str, int], dict[int, float]] = {}
+    for (mixer, d, t), (_, test) in sorted(best.items()):
+        acc.setdefault((mixer, d), {})[t] = test
     return acc
 
 
