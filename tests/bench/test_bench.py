@@ -7,6 +7,8 @@ import dataclasses
 import importlib
 import json
 import math
+import subprocess
+import sys
 import time
 
 import pytest
@@ -14,7 +16,7 @@ import torch
 
 from aftlab.bench import OPS, BenchConfig, Shape, cases, run_bench
 from aftlab.bench.cases import PEERS, WKV, Spec
-from aftlab.bench.measure import check, execute, peak_memory, tensor_bytes
+from aftlab.bench.measure import check, execute, tensor_bytes
 from aftlab.bench.report import CSV_FIELDS, ratios
 from aftlab.cli import main as aftlab_main
 from aftlab.mixers import available_mixers, registry
@@ -93,6 +95,39 @@ def test_decoding_gate_refuses_steps_that_differ_from_forward(monkeypatch):
     assert g.status == "failed" and "wrong-step y" in g.note
     g = check(spec._replace(name="aft-simple"), None, torch.float32, torch.device("cpu"))
     assert g.status == "passed" and g.max_error < 1e-4
+
+
+def _recording(fn, seen: dict, pick):
+    """``fn`` that first records ``pick(*args)`` under the dtype of its first tensor."""
+
+    def call(*args, **kwargs):
+        got = pick(*args)
+        seen.setdefault(got[0].dtype, got)
+        return fn(*args, **kwargs)
+
+    return call
+
+
+@pytest.mark.parametrize("name", ["aft-decay", "hf-rwkv:aftlab:aft-decay"])
+def test_gate_reference_sees_the_inputs_and_weights_rounded_to_the_dtype(name, monkeypatch):
+    """The float64 reference of the gate computes on exactly what the case under test got (an
+    op's bfloat16 inputs; a module's bfloat16 input and weights), so its error is the case's."""
+    seen, op = {}, None
+    if name in OPS:
+        base = OPS[name]
+        op = dataclasses.replace(
+            base,
+            fast=_recording(base.fast, seen, lambda *x: x),
+            reference=_recording(base.reference, seen, lambda *x: x),
+        )
+    else:  # a peer's module (WKV): its input and its parameters
+        pick = lambda m, x: (x, m.time_decay, m.time_first)  # noqa: E731
+        monkeypatch.setattr(WKV, "forward", _recording(WKV.forward, seen, pick))
+        monkeypatch.setattr(WKV, "reference", _recording(WKV.reference, seen, pick))
+    check(Spec(name, "forward", True, Shape(1, 9, 8, 1), None), op, torch.bfloat16, "cpu")
+    assert set(seen) == {torch.bfloat16, torch.float64}, list(seen)
+    for a, e in zip(seen[torch.bfloat16], seen[torch.float64], strict=True):
+        assert torch.equal(a.double(), e), f"{name}: the reference got other values"
 
 
 def test_isolated_case_runs_in_a_fresh_process():
@@ -188,13 +223,17 @@ def test_defaults_and_the_old_compare_flag():
 
 
 def test_peak_memory_sees_a_64_mib_temporary():
-    def alloc():
-        x = torch.ones(16 * 2**20)  # 64 MiB, touched
-        return float(x[-1])
-
-    peak, method, seconds = peak_memory(alloc, torch.device("cpu"))
-    assert seconds > 0 and method == "VmHWM - VmRSS"
-    assert 60 * 2**20 <= peak <= 200 * 2**20
+    """In a fresh process, as the bench measures: in this one, memory that earlier tests freed
+    may still be resident and serve the temporary without raising the peak."""
+    code = (
+        "import torch; from aftlab.bench.measure import peak_memory\n"
+        "def alloc():\n    x = torch.ones(16 * 2**20)  # 64 MiB, touched\n    return float(x[-1])\n"
+        "print(*peak_memory(alloc, torch.device('cpu')), sep='|')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    peak, method, seconds = out.stdout.strip().split("|")
+    assert float(seconds) > 0 and method == "VmHWM - VmRSS"
+    assert 60 * 2**20 <= int(peak) <= 200 * 2**20
 
 
 def test_tensor_bytes_counts_each_storage_once():

@@ -141,6 +141,21 @@ def test_half_precision(causal, dtype):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("causal", [False, True])
+def test_op_registration(causal):
+    """``torch.library.opcheck`` of ``aftlab::full`` and ``full_backward`` with a transposed
+    ``w``: the C++ ops return contiguous tensors, and so must their fake implementations."""
+    q, k, v, w = _inputs(2, 9, 3)
+    wt = w[:9, :9].t()  # not contiguous
+    fwd = [x.requires_grad_() for x in (q, k, v, wt)] + [None, causal, 4, True]
+    torch.library.opcheck(torch.ops.aftlab.full.default, fwd)
+    with torch.no_grad():
+        _, a, inv, fb, _, sh = torch.ops.aftlab.full(*fwd)
+    gy = torch.randn_like(q)
+    bwd = (gy, q.detach(), k.detach(), v.detach(), wt.detach(), None, a, inv, fb, sh, causal, 4)
+    torch.library.opcheck(torch.ops.aftlab.full_backward.default, bwd)
+
+
 def test_compile_fullgraph_equals_eager():
     q, k, v, w = (x.requires_grad_() for x in _inputs(2, 33, 5))
     mask = _mask(2, 33)

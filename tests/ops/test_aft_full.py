@@ -19,7 +19,6 @@ aft_full_module = importlib.import_module("aftlab.ops.aft_full")
 pytestmark = pytest.mark.usefixtures("impl", "one_thread")
 
 
-
 def _inputs(B, T, d, *, scale=1.0, wscale=1.0, dtype=torch.float64, extra=0):
     q, k, v = torch.randn(3, B, T, d, dtype=torch.float64)
     w = torch.randn(T + extra, T + extra, dtype=torch.float64) * wscale
@@ -147,6 +146,27 @@ def test_compiled_exact_rescue_matches_reference(causal, monkeypatch, impl):
     torch._dynamo.reset()
     compiled = torch.compile(aft_full, fullgraph=True, backend="aot_eager")
     _check_against_reference([q, k, v, w], causal=causal, op=compiled)
+
+
+@pytest.mark.parametrize("geometry", ["full", "full-causal", "band-causal"])
+def test_pytorch_op_registration(geometry):
+    """``torch.library.opcheck`` of ``aftlab::lse_average`` and its backward op (schema, fake
+    tensors with their strides, autograd, AOT dispatch), with a transposed bias: the gradient is
+    contiguous in the real op and must be so in the fake one."""
+    B, T, d = 2, 9, 3
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, B, T, d, generator=g, dtype=torch.float64).unbind(0)
+    W, alpha, beta = (3, 1, 2) if geometry == "band-causal" else (T, 0, 0)
+    causal = geometry != "full"
+    wb = torch.randn(W, T, generator=g, dtype=torch.float64).t()  # (T, W), not contiguous
+    geo = (W, alpha, beta, causal)
+    fwd = [k.requires_grad_(), v.requires_grad_(), wb.requires_grad_(), None, *geo, True]
+    torch.library.opcheck(torch.ops.aftlab.lse_average.default, fwd)
+    with torch.no_grad():
+        L, A, den, redo = torch.ops.aftlab.lse_average(*fwd)
+    gL, gA = torch.randn(2, B, T, d, generator=g, dtype=torch.float64).unbind(0)
+    bwd = (gL, gA, k.detach(), v.detach(), wb.detach(), None, A, den, redo, *geo)
+    torch.library.opcheck(torch.ops.aftlab.lse_average_backward.default, bwd)
 
 
 def test_causal_output_ignores_future():

@@ -11,7 +11,6 @@ from aftlab.testing import assert_close
 pytestmark = pytest.mark.usefixtures("impl", "one_thread")  # kernel and PyTorch (conftest.py)
 
 
-
 def _inputs(B, T, d, *, scale=1.0, wscale=1.0, dtype=torch.float64, extra=0):
     q, k, v = torch.randn(3, B, T, d, dtype=torch.float64)
     w = torch.randn(T + extra, T + extra, dtype=torch.float64) * wscale

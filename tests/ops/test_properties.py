@@ -62,7 +62,6 @@ from .strategies import (
 pytestmark = pytest.mark.usefixtures("one_thread")  # small sizes (conftest)
 
 
-
 # ----------------------------------------------------------------------------- cases
 @dataclass
 class Case:
@@ -247,7 +246,6 @@ def build_scan(r: Recipe) -> Case:
         spread,
         reverse=r.reverse,
     )
-
 
 
 BUILD = {

@@ -27,7 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for f in (f for f in dataclasses.fields(BenchConfig) if "help" in f.metadata):
         (is_list, kind_), default = kind(f), getattr(defaults, f.name)
         shown = ",".join(map(str, default)) if is_list and default else default
-        more = f" (default: {shown})" if shown not in (None, "", [], False, True) else ""
+        hidden = shown is None or isinstance(shown, bool) or shown in ("", [])
+        more = "" if hidden else f" (default: {shown})"
         more += f"; of {', '.join(cases())}" * (f.name == "mixers")
         kw = {"type": partial(_split, kind_) if is_list else kind_}
         if kind_ is bool:  # --causal, --no-isolate

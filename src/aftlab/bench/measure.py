@@ -58,6 +58,9 @@ def _check(spec: Spec, op: Op | None, dtype, device) -> float | None:
     if f64 is None:
         return None
     f, x, leaves = prepare(spec, op, dtype, device, seed=1234)
+    with torch.no_grad():  # the reference sees the very inputs and weights, rounded to dtype
+        for name, t in leaves64.items():
+            t.copy_(leaves[name].double())
     train, f = spec.mode == "train", partial(_steps, f) if spec.mode == "decode" else f
     outs = []  # [y, dy/dleaf...] of each; a leaf the output does not use: a zero gradient
     for fn, inputs, ts in ((f, x, leaves), (f64, x64, leaves64)):

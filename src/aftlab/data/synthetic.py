@@ -147,7 +147,7 @@ class SyntheticTask(Task):
     _: KW_ONLY
     seq_len: int
     vocab_size: int
-    seed: int
+    seed: int = field()  # required (not Task's default)
     eval_size: int
     details: dict[str, Any]
     _eval: dict[str, tuple[np.ndarray, np.ndarray]] = field(

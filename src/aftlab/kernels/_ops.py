@@ -16,38 +16,43 @@ _LOW = (torch.float16, torch.bfloat16)
 
 
 def _empty_or_like(x: torch.Tensor, save: bool) -> torch.Tensor:
-    return torch.empty_like(x) if save else x.new_empty(0)
+    """A contiguous tensor shaped like ``x`` (what the C++ ops return), or empty."""
+    return x.new_empty(x.shape) if save else x.new_empty(0)
 
 
 def register() -> None:
-    """Register fake implementations and autograd for every ``aftlab::`` op (once)."""
+    """Register fake implementations and autograd for every ``aftlab::`` op (once).
+
+    The fakes return contiguous tensors, as the C++ ops do (``new_empty``, not ``empty_like``,
+    which keeps the strides of a transposed input: the compiler then mis-strides the result).
+    """
     lib = "aftlab::"
 
     @torch.library.register_fake(lib + "simple_causal")
     def _(q, k, v, mask, save):
-        return torch.empty_like(q), _empty_or_like(q, save)
+        return q.new_empty(q.shape), _empty_or_like(q, save)
 
     @torch.library.register_fake(lib + "simple_causal_backward")
     def _(gy, q, v, y, r):
-        return torch.empty_like(q), torch.empty_like(q), torch.empty_like(q)
+        return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
 
     @torch.library.register_fake(lib + "simple_global")
     def _(q, k, v, mask):
-        return torch.empty_like(q), q.new_empty(3, q.shape[0], q.shape[2])
+        return q.new_empty(q.shape), q.new_empty(3, q.shape[0], q.shape[2])
 
     @torch.library.register_fake(lib + "simple_global_backward")
     def _(gy, q, k, v, stats, mask):
-        return torch.empty_like(q), torch.empty_like(q), torch.empty_like(q)
+        return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
 
     @torch.library.register_fake(lib + "decay")
     def _(q, k, v, decay, bonus, mask, save):
-        return torch.empty_like(q), _empty_or_like(q, save), _empty_or_like(q, save)
+        return q.new_empty(q.shape), _empty_or_like(q, save), _empty_or_like(q, save)
 
     @torch.library.register_fake(lib + "decay_backward")
     def _(gy, q, v, y, r, w):
         d = q.shape[2]
-        like = torch.empty_like(q)
-        return like, torch.empty_like(q), torch.empty_like(q), q.new_empty(d), q.new_empty(d)
+        like = q.new_empty(q.shape)
+        return like, q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(d), q.new_empty(d)
 
     def setup_simple_causal(ctx, inputs, output):
         q, _, v, _, _ = inputs
@@ -83,11 +88,11 @@ def register() -> None:
     @torch.library.register_fake(lib + "band")
     def _(q, k, v, w, lo, hi, causal, mask, save):
         stats = k.shape if save else (0,)
-        return torch.empty_like(q), k.new_empty(stats, dtype=torch.float64), k.new_empty(stats)
+        return q.new_empty(q.shape), k.new_empty(stats, dtype=torch.float64), k.new_empty(stats)
 
     @torch.library.register_fake(lib + "band_backward")
     def _(gy, q, k, v, w, y, mx, iv, lo, hi, causal, mask):
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(w)
+        return tuple(x.new_empty(x.shape) for x in (q, k, v, w))
 
     def setup_band(ctx, inputs, output):
         q, k, v, w, ctx.lo, ctx.hi, ctx.causal, mask, _ = inputs
@@ -108,7 +113,7 @@ def register() -> None:
         n = (T + block - 1) // block if causal else 1
         saved = q.shape if save else (0,)
         return (
-            torch.empty_like(q),
+            q.new_empty(q.shape),
             q.new_empty(saved),
             q.new_empty(saved),
             q.new_empty(B, T, dtype=torch.bool),
@@ -118,7 +123,7 @@ def register() -> None:
 
     @torch.library.register_fake(lib + "full_backward")
     def _(gy, q, k, v, w, mask, a, inv, fb, sh, causal, block):
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(w)
+        return tuple(x.new_empty(x.shape) for x in (q, k, v, w))
 
     def setup_full(ctx, inputs, output):
         q, k, v, w, mask, ctx.causal, ctx.block, _ = inputs

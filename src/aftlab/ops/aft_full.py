@@ -52,8 +52,9 @@ How the PyTorch implementation computes it (see docs/aft.md):
 * **One operator.** Forward and backward are the custom ops ``aftlab::lse_average`` and
   ``aftlab::lse_average_backward`` (``torch.library.custom_op``): ``torch.compile`` calls them
   opaquely, as it calls the C++ kernels. What it reads back to the host (a sync on a GPU) is
-  read at one point per call, after the products: in the forward whether a diagonal key was
-  unsafe and the rows to rescue, in the backward the queries with gradient and those rows.
+  read at one point per call: in the forward after its products (whether a diagonal key was
+  unsafe, the rows to rescue), in the backward before them (which sequences have gradient in
+  which block, the rescued rows); the rescue, when it runs, also reads each chunk's last row.
 * **Backward** (custom autograd): with ``R = dA / den`` and ``S = (dA * A - dL) / den``::
 
       dV = E^K * (E^w^T @ R)
@@ -63,7 +64,8 @@ How the PyTorch implementation computes it (see docs/aft.md):
   i.e. ``dV_t' = sum_t dA_t P_{t,t'}``, ``dK_t' = sum_t P_{t,t'} (dA_t (V_t' - A_t) + dL_t)``,
   ``dw_{t,t'} = sum_c P_{t,t',c} (dA_{t,c} (V_{t',c} - A_{t,c}) + dL_{t,c})``; rescued rows use
   the same formulas with ``P`` computed exactly. Outputs without upstream gradient
-  contribute exactly 0 (``R = S = 0``; a block none reaches is skipped), so the gradients
+  contribute exactly 0 (``R = S = 0``; a block none reaches is skipped, a sequence none of
+  whose queries in a block has gradient gets that block's factors zeroed), so the gradients
   of inputs before ``p`` from outputs before ``p`` are bit-identical whatever comes at ``p``.
   Every accumulation is deterministic for a fixed thread count (``scatter_add_`` along the
   bias rows, ``index_add_`` for the rescue; no ``index_put_(accumulate=True)``).
@@ -123,6 +125,13 @@ def _causal_block_size(T: int, *, kernel: bool = False) -> int:
     return min(hi, max(lo, T // 4))
 
 
+def _query_block(geo: Geometry) -> int:
+    """Query rows per block of :func:`_blocks` (every block starts at a multiple of it)."""
+    if geo.alpha:
+        return _BAND_BLOCK
+    return _causal_block_size(geo.T) if geo.causal else geo.T
+
+
 def _blocks(geo: Geometry) -> list[tuple[int, int, int, int]]:
     """Query blocks ``[i0, i1)`` with the key range ``[lo, hi)`` they are multiplied with.
 
@@ -131,13 +140,12 @@ def _blocks(geo: Geometry) -> list[tuple[int, int, int, int]]:
     ``_BAND_BLOCK`` queries. Causal blocks always end their keys at ``hi = i1``: the keys
     ``[i0, i1)`` are the block's *diagonal*, in the future of some of its queries.
     """
-    T = geo.T
+    T, size = geo.T, _query_block(geo)
     if geo.alpha == 0:
-        size = _causal_block_size(T) if geo.causal else T
         return [(i0, min(T, i0 + size), 0, min(T, i0 + size)) for i0 in range(0, T, size)]
     out = []
-    for i0 in range(0, T, _BAND_BLOCK):
-        i1 = min(T, i0 + _BAND_BLOCK)
+    for i0 in range(0, T, size):
+        i1 = min(T, i0 + size)
         lo = max(0, geo.alpha * i0 - geo.beta)
         hi = min(T, geo.alpha * (i1 - 1) + geo.W - geo.beta)
         if geo.causal:
@@ -250,13 +258,20 @@ def _factors(k, v, wb, geo, blk, kb=None) -> _Factors:
     return _Factors(bias, col, torch.exp(bias - mw), mw, x, mk, unsafe)
 
 
+def _by_block(x: torch.Tensor, size: int) -> torch.Tensor:
+    """Bool ``x (B, T, ...)`` as uint8 ``(B, n, size, ...)``: blocks of ``size`` positions, the
+    last padded with False."""
+    B, T = x.shape[:2]
+    n = -(-T // size)
+    pad = (0, 0) * (x.dim() - 2) + (0, n * size - T)
+    return torch.nn.functional.pad(x.to(torch.uint8), pad).view(B, n, size, *x.shape[2:])
+
+
 def _block_cumany(x: torch.Tensor, size: int) -> torch.Tensor:
     """``out[:, t] = any(x[:, i0 : t + 1])`` for bool ``(B, T, d)``, ``i0`` the start of the
     block of ``size`` positions that holds ``t``."""
     B, T, d = x.shape
-    n = -(-T // size)
-    xp = torch.nn.functional.pad(x.to(torch.uint8), (0, 0, 0, n * size - T))
-    return torch.cummax(xp.view(B, n, size, d), 2).values.view(B, n * size, d)[:, :T].bool()
+    return torch.cummax(_by_block(x, size), 2).values.view(B, -1, d)[:, :T].bool()
 
 
 # ----------------------------------------------------------------------------- exact rescue
@@ -364,9 +379,9 @@ def _lse_forward(k, v, wb, pad, geo, with_log):
     if unsafe and bool((u := torch.cat(unsafe, 1)).any()):
         # queries from an unsafe diagonal key of their block on, per channel: NaN if an input
         # they see is NaN or inf (also in the shift), else recomputed exactly
-        S = _causal_block_size(T) if geo.alpha == 0 else _BAND_BLOCK
-        hit = _block_cumany(u, S)
-        bad = _block_cumany(torch.isnan(k) | (k == float("inf")) | ~torch.isfinite(v), S)
+        size = _query_block(geo)
+        hit = _block_cumany(u, size)
+        bad = _block_cumany(torch.isnan(k) | (k == float("inf")) | ~torch.isfinite(v), size)
         bad |= ~torch.isfinite(torch.cat(shifts, 1))
         A.masked_fill_(hit & bad, float("nan"))
         redo |= (hit & ~bad).any(-1)
@@ -391,26 +406,30 @@ def _lse_backward(gL, gA, k, v, wb, pad, A, den, redo, geo):
     S = ((gA * A - gL) / den).masked_fill_(quiet | redo[..., None], 0.0)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     dwb = torch.zeros(wb.shape, dtype=wb.dtype, device=wb.device)
-    # Host syncs (on a GPU), once and back to back: the query rows with upstream gradient, and
-    # the rescued rows. A block none of whose queries has gradient adds exactly nothing (and a
-    # NaN in its shift m^K cannot turn 0 into NaN): it is skipped.
-    live = ((R != 0) | (S != 0)).flatten(2).any(-1).any(0).tolist()  # (T,) per query
+    # A sequence none of whose queries in a block has gradient gets exactly nothing from the
+    # block (its factors may hold a NaN from its shift m^K, which 0 must not turn into NaN):
+    # the block is skipped if that holds for every sequence, else their factors are zeroed.
+    # Host reads (on a GPU, syncs), once per call and back to back, before the products: which
+    # (sequence, block) has gradient, and the rescued rows.
+    live = _by_block((R != 0) | (S != 0), _query_block(geo)).any(-1).any(-1)  # (B, n)
+    live_host = live.t().tolist()
     rows = redo.nonzero()
     kb = _key_blocks(k, v, geo)
-    for blk in _blocks(geo):
+    for j, (blk, live_b) in enumerate(zip(_blocks(geo), live_host, strict=True)):
         i0, i1, lo, hi = blk
-        if not any(live[i0:i1]):
+        if not any(live_b):
             continue
         rs = torch.cat([R[:, i0:i1], S[:, i0:i1]], -1)  # (B, nq, 2d)
         f = _factors(k, v, wb, geo, blk, kb)
+        x = f.x if all(live_b) else torch.where(live[:, j, None, None], f.x, 0.0)
         nq, nk = i1 - i0, hi - lo
         y = torch.bmm(f.ew.t().expand(B, -1, -1), rs)  # (B, nk, 2d)
         yr, ys = y[..., :d], y[..., d:]
-        ev, ek = f.x[..., :d], f.x[..., d:]
+        ev, ek = x[..., :d], x[..., d:]
         dv[:, lo:hi] += ek * yr
         dk[:, lo:hi] += ev * yr - ek * ys
         left = torch.cat([R[:, i0:i1], -S[:, i0:i1]], -1).transpose(0, 1)
-        right = f.x.transpose(0, 1)
+        right = x.transpose(0, 1)
         g = f.ew * (left.reshape(nq, B * 2 * d) @ right.reshape(nk, B * 2 * d).t())
         g = g.masked_fill(f.bias == float("-inf"), 0.0)  # unseen biases: exactly 0
         if f.col is None:
@@ -427,35 +446,35 @@ def _lse_backward(gL, gA, k, v, wb, pad, A, den, redo, geo):
 @torch.library.custom_op("aftlab::lse_average", mutates_args=())
 def _lse_op(
     k: torch.Tensor, v: torch.Tensor, wb: torch.Tensor, pad: torch.Tensor | None,
-    alpha: int, beta: int, causal: bool, with_log: bool,
+    W: int, alpha: int, beta: int, causal: bool, with_log: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    geo = Geometry(k.shape[1], wb.shape[1], alpha, beta, causal)
+    geo = Geometry(k.shape[1], W, alpha, beta, causal)
     return _lse_forward(k, v, wb, pad, geo, with_log)
 
 
 @_lse_op.register_fake
-def _(k, v, wb, pad, alpha, beta, causal, with_log):
+def _(k, v, wb, pad, W, alpha, beta, causal, with_log):
     L = k.new_empty(k.shape if with_log else (0,), dtype=torch.float64)
-    return L, torch.empty_like(k), torch.empty_like(k), k.new_empty(k.shape[:2], dtype=torch.bool)
+    return L, k.new_empty(k.shape), k.new_empty(k.shape), k.new_empty(k.shape[:2], dtype=torch.bool)
 
 
 @torch.library.custom_op("aftlab::lse_average_backward", mutates_args=())
 def _lse_backward_op(
     gL: torch.Tensor, gA: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wb: torch.Tensor,
     pad: torch.Tensor | None, A: torch.Tensor, den: torch.Tensor, redo: torch.Tensor,
-    alpha: int, beta: int, causal: bool,
+    W: int, alpha: int, beta: int, causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    geo = Geometry(k.shape[1], wb.shape[1], alpha, beta, causal)
+    geo = Geometry(k.shape[1], W, alpha, beta, causal)
     return _lse_backward(gL, gA, k, v, wb, pad, A, den, redo, geo)
 
 
 @_lse_backward_op.register_fake
-def _(gL, gA, k, v, wb, pad, A, den, redo, alpha, beta, causal):
-    return torch.empty_like(k), torch.empty_like(v), torch.empty_like(wb)
+def _(gL, gA, k, v, wb, pad, A, den, redo, W, alpha, beta, causal):
+    return k.new_empty(k.shape), v.new_empty(v.shape), wb.new_empty(wb.shape)  # contiguous
 
 
 def _lse_setup(ctx, inputs, output):
-    k, v, wb, pad, *ctx.geo = inputs[:7]
+    k, v, wb, pad, *ctx.geo = inputs[:8]
     _, A, den, redo = output
     ctx.save_for_backward(k, v, wb, pad, A, den, redo)
 
@@ -465,7 +484,7 @@ def _lse_grad(ctx, gL, gA, _gden, _gredo):
     gL = k.new_zeros(0) if gL is None else gL
     gA = torch.zeros_like(k) if gA is None else gA
     dk, dv, dwb = _lse_backward_op(gL, gA, k, v, wb, pad, A, den, redo, *ctx.geo)
-    return dk, dv, dwb, None, None, None, None, None
+    return dk, dv, dwb, None, None, None, None, None, None
 
 
 register_autograd_once("aftlab::lse_average", _lse_grad, _lse_setup, what="PyTorch")
@@ -506,7 +525,7 @@ def lse_average(
         return z.double(), z
     with torch.autocast(k.device.type, enabled=False):
         L, A, _, _ = _lse_op(
-            k.contiguous(), v.contiguous(), wb, padding_mask, geo.alpha, geo.beta,
+            k.contiguous(), v.contiguous(), wb, padding_mask, geo.W, geo.alpha, geo.beta,
             geo.causal, with_log,
         )
         return L, A
