@@ -42,6 +42,15 @@ def collect(root: Path) -> dict[tuple[str, int], dict[int, float]]:
     return acc
 
 
+def value_set_level(root: Path) -> dict[int, float]:
+    """``{T: 1 / P}``: the accuracy of a model that knows the P values shown, not which one."""
+    level = {}
+    for path in root.glob("d*-T*/results.json"):
+        config = json.loads(path.read_text())["config"]
+        level[config["seq_len"]] = 1 / config["task_options"]["num_pairs"]
+    return level
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("root", type=Path, help="the grid's output folder (OUT of benchmarks/mqar.sh)")
@@ -56,6 +65,8 @@ def main() -> None:
     for (mixer, d), row in sorted(acc.items()):
         cells = " | ".join(f"{row[t]:.3f}" if t in row else "" for t in ts)
         print(f"| {mixer} | {d} | {cells} |")
+    level = value_set_level(a.root)
+    print("| 1/P (the value set) | | " + " | ".join(f"{level.get(t, 0):.3f}" for t in ts) + " |")
 
     import matplotlib
 
@@ -69,6 +80,7 @@ def main() -> None:
             if dd == d:
                 x = sorted(row)
                 ax.plot(x, [row[t] for t in x], marker="o", label=mixer)
+        ax.plot(ts, [level.get(t) for t in ts], "k--", lw=1, label="1/P (the value set)")
         ax.set_xscale("log", base=2)
         ax.set_xticks(ts, [str(t) for t in ts])
         ax.set_ylim(0, 1.02)
