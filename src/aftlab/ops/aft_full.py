@@ -402,8 +402,9 @@ def _lse_backward(gL, gA, k, v, wb, pad, A, den, redo, geo):
     # outputs without upstream gradient contribute exactly 0 (not 0 * NaN from a NaN row);
     # rescued rows are handled exactly below, not by the fast path
     quiet = (gA == 0) & (gL == 0)
-    R = (gA / den).masked_fill_(quiet | redo[..., None], 0.0)
-    S = ((gA * A - gL) / den).masked_fill_(quiet | redo[..., None], 0.0)
+    off = quiet | redo[..., None]
+    R = (gA / den).masked_fill_(off, 0.0)
+    S = ((gA * A - gL) / den).masked_fill_(off, 0.0)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     dwb = torch.zeros(wb.shape, dtype=wb.dtype, device=wb.device)
     # A sequence none of whose queries in a block has gradient gets exactly nothing from the
@@ -411,7 +412,7 @@ def _lse_backward(gL, gA, k, v, wb, pad, A, den, redo, geo):
     # the block is skipped if that holds for every sequence, else their factors are zeroed.
     # Host reads (on a GPU, syncs), once per call and back to back, before the products: which
     # (sequence, block) has gradient, and the rescued rows.
-    live = _by_block((R != 0) | (S != 0), _query_block(geo)).any(-1).any(-1)  # (B, n)
+    live = _by_block(~off, _query_block(geo)).any(-1).any(-1)  # (B, n)
     live_host = live.t().tolist()
     rows = redo.nonzero()
     kb = _key_blocks(k, v, geo)
