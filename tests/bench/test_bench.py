@@ -354,3 +354,13 @@ def test_total_time_cap_skips_the_remaining_cases():
                 max_total_minutes=1e-9)["results"]
     assert [r["status"] for r in rows] == ["skipped", "skipped"]
     assert all("--max-total-minutes" in r["note"] and r["time_median_s"] is None for r in rows)
+
+
+def test_without_matplotlib_the_report_is_written_and_the_plots_skipped(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    lines = []
+    cfg = BenchConfig(isolate=False, out=tmp_path, **TINY, mixers=["aft-simple"], lengths=[8])
+    run_bench(cfg, argv=["aftlab", "bench"], log=lines.append)
+    assert (tmp_path / "summary.md").stat().st_size > 0 and not list(tmp_path.glob("*.png"))
+    assert "plots skipped: plotting needs matplotlib" in lines[-1]
+    assert "pip install 'aftlab[plot]'" in lines[-1]

@@ -1,5 +1,6 @@
 import json
 import math
+import sys
 
 import pytest
 
@@ -99,3 +100,15 @@ def test_compare_trains_each_mixer_and_writes_the_table(tmp_path, capsys):
     else:
         pytest.importorskip("matplotlib")  # only allowed to be missing without matplotlib
         pytest.fail("loss_curves.png missing although matplotlib is installed")
+
+
+def test_a_plot_that_cannot_be_drawn_is_a_line_on_stderr(tmp_path, monkeypatch, capsys):
+    from aftlab.train.compare import _plot
+    from aftlab.train.plot import plot_throughput
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    rows = [{"mixer": "attention", "tokens_per_s": 1.0, "peak_memory_bytes": 1}]
+    assert _plot(plot_throughput, rows, tmp_path / "throughput.png", device="cpu") is None
+    err = capsys.readouterr().err
+    assert err.startswith("aftlab compare: no throughput.png: plotting needs matplotlib")
+    assert not (tmp_path / "throughput.png").exists()

@@ -306,19 +306,3 @@ def test_every_model_says_what_its_forward_reads_from_a_batch():
             out = forward_batch(model, batch, wrapper=spy)
             assert spy.calls == 1
             torch.testing.assert_close(out, expected(), rtol=0, atol=0)
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss inherited: Linux")
-def test_peak_memory_of_a_run_does_not_include_the_parent_that_spawned_it():
-    # ru_maxrss survives vfork + exec: a child of a 400 MiB parent would start at 400 MiB, and an
-    # `aftlab compare` run (a child of compare) would report 0 above its baseline
-    code = (
-        "import subprocess, sys\n"
-        "x = bytearray(400 * 2**20)\n"
-        "x[::4096] = b'1' * len(x[::4096])\n"
-        "child = 'from aftlab.train.trainer import _max_rss_bytes; print(_max_rss_bytes())'\n"
-        "print(subprocess.run([sys.executable, '-c', child], capture_output=True, text=True,"
-        " check=True).stdout)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert int(out.stdout.split()[-1]) < 350 * 2**20, out.stdout

@@ -1,16 +1,15 @@
 """Measuring one case of ``aftlab bench``: the correctness gate (no case is timed before its
 computation, at a small shape, matches its float64 reference), its times and its peak memory
-above the inputs (on CPU in a fresh process per case); and the machine and its limits. See
-docs/benchmarks.md, "How it is measured" and "Correctness gate"."""
+above the inputs (on CPU in a fresh process per case); and the machine's limits (what the
+machine is: :mod:`aftlab._system`). See docs/benchmarks.md, "How it is measured" and
+"Correctness gate"."""
 
 from __future__ import annotations
 
 import ctypes
-import datetime
 import gc
 import multiprocessing as mp
 import os
-import platform
 import sys
 import time
 import traceback
@@ -21,6 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .._system import proc_bytes
 from ..testing import assert_close, decode, max_error
 from .cases import Op, Shape, Spec, cases, prepare
 
@@ -91,40 +91,6 @@ def check(spec: Spec, op: Op | None, dtype, device) -> Gate:
     if err is None:
         return Gate("unchecked", "no float64 reference: outputs not compared")
     return Gate("passed", max_error=err)
-
-
-def _proc(path: str, key: str) -> str:
-    """The value of ``key`` in ``/proc/<path>`` (``"key: value"`` lines); ``""`` if absent."""
-    try:
-        with open(f"/proc/{path}") as f:
-            fields = [line.partition(":") for line in f]
-    except OSError:
-        return ""
-    return next((v.strip() for k, _, v in fields if k.strip() == key), "")
-
-
-def proc_bytes(path: str, key: str) -> int:
-    """A ``/proc`` field in KiB (``"1234 kB"``), in bytes; 0 if absent."""
-    return int((_proc(path, key) or "0").split()[0]) * 1024
-
-
-def machine_info(device: torch.device, argv: list[str] | None = None) -> dict:
-    """What ran the benchmark: CPU, cores, memory, torch, threads, GPU, command and date."""
-    now = datetime.datetime.now(datetime.timezone.utc)
-    return {
-        "cpu_model": _proc("cpuinfo", "model name") or platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "cpu_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "mem_total_bytes": proc_bytes("meminfo", "MemTotal") or None,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "device": str(device),
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        "command": " ".join(argv if argv is not None else sys.argv),
-        "date": now.strftime("%Y-%m-%d %H:%M:%S UTC"),
-    }
 
 
 def timed(fn: Callable[[], object], device: torch.device) -> float:

@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from .._json import dumps
+from ..train.errors import UsageError
+from ..train.plot import pyplot
 
 __all__ = ["ratios", "summary_markdown", "write_report", "ROW_FIELDS", "CSV_FIELDS"]
 
@@ -150,12 +152,9 @@ def _peers(rows: list[dict]) -> list[str]:
 def write_plots(result: dict, out: Path) -> tuple[list[Path], str]:
     """``bench_<mode>.png``: time and peak memory against T, log-log, a line per mixer."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return [], "matplotlib is not installed (pip install 'aftlab[plot]')"
+        plt = pyplot()
+    except UsageError as e:
+        return [], str(e)
     m, cfg, made = result["machine"], result["config"], []
     panels = (
         ("time_median_s", 1e3, "median time (ms)"),

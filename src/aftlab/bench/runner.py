@@ -15,9 +15,10 @@ from pathlib import Path
 
 import torch
 
+from .._system import machine_info, proc_bytes
 from .cases import MATMUL, MODES, PEERS, Op, Shape, Spec
 from .cases import cases as all_cases
-from .measure import check, execute, gate_shape, machine_info, measure_limits, proc_bytes
+from .measure import check, execute, gate_shape, measure_limits
 from .report import ROW_FIELDS, cell, ratios, write_report
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")

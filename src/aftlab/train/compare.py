@@ -29,6 +29,7 @@ import json
 import math
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -42,6 +43,7 @@ from .build import build_model, build_task, model_config_for, task_info
 from .checkpoint import atomic_write_text
 from .config import TrainConfig, parse_override, to_toml
 from .errors import UsageError
+from .plot import plot_loss_curves, plot_throughput
 
 __all__ = [
     "DEFAULT_MIXERS",
@@ -498,8 +500,8 @@ def run_compare(
         dumps({"rows": rows, "best": best, "options": options, "config": base.to_dict()}, indent=2),
     )
     atomic_write_text(out_dir / "results.csv", format_csv(rows))
-    png = _plot_curves(out_dir, curves)
-    speed_png = _plot_throughput(out_dir, rows, device)
+    png = _plot(plot_loss_curves, curves, out_dir / "loss_curves.png")
+    speed_png = _plot(plot_throughput, rows, out_dir / "throughput.png", device=device)
     notes = [f"Made with `{' '.join(cmd)}` (full config in results.json)."]
     if len(lrs) > 1:
         notes.append(
@@ -598,25 +600,10 @@ def sample_best(
     return best["mixer"]
 
 
-def _plot_curves(out_dir: Path, curves: dict[str, Path]) -> Path | None:
+def _plot(plot: Callable[..., Path], data: Any, out_png: Path, **kw) -> Path | None:
+    """``plot(data, out_png, **kw)``, or None with a line on stderr when it cannot plot."""
     try:
-        from .plot import plot_loss_curves
-    except ImportError:
-        return None
-    try:
-        return plot_loss_curves(curves, out_dir / "loss_curves.png")
+        return plot(data, out_png, **kw)
     except UsageError as e:
-        print(f"aftlab compare: no loss_curves.png: {e}", file=sys.stderr)
-        return None
-
-
-def _plot_throughput(out_dir: Path, rows: list[dict[str, Any]], device: str) -> Path | None:
-    try:
-        from .plot import plot_throughput
-    except ImportError:
-        return None
-    try:
-        return plot_throughput(rows, out_dir / "throughput.png", device=device)
-    except UsageError as e:
-        print(f"aftlab compare: no throughput.png: {e}", file=sys.stderr)
+        print(f"aftlab compare: no {out_png.name}: {e}", file=sys.stderr)
         return None

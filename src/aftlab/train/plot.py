@@ -26,7 +26,8 @@ __all__ = [
 ]
 
 
-def _pyplot():
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend; ``UsageError`` (one line) if not installed."""
     try:
         import matplotlib
     except ImportError:
@@ -71,7 +72,7 @@ def plot_loss_curves(runs: dict[str, str | Path], out_png: str | Path) -> Path:
         runs: label -> ``metrics.jsonl`` path.
         out_png: the PNG to write.
     """
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, (label, path) in enumerate(runs.items()):
         recs = read_metrics(path)
@@ -114,7 +115,7 @@ def plot_throughput(rows: list[dict[str, Any]], out_png: str | Path, *, device: 
         out_png: the PNG to write.
         device: the device the figures were measured on (in the axis labels).
     """
-    plt = _pyplot()
+    plt = pyplot()
     rows = [r for r in rows if r.get("tokens_per_s") is not None]
     if not rows:
         raise UsageError("no model has a measured speed to plot")
@@ -209,7 +210,7 @@ def plot_run(run_dir: str | Path, *, out_dir: str | Path | None = None) -> list[
     """
     from .run import load_run
 
-    plt = _pyplot()
+    plt = pyplot()
     run_dir = Path(run_dir)
     out = Path(out_dir) if out_dir is not None else run_dir / "plots"
     metrics = run_dir / "metrics.jsonl"

@@ -21,7 +21,6 @@ import json
 import math
 import os
 import random
-import resource
 import signal
 import sys
 import threading
@@ -39,6 +38,7 @@ from torch import nn
 
 from .. import kernels
 from .._json import dumps
+from .._system import peak_rss_bytes
 from ..data.base import IGNORE_INDEX, count_correct
 from .build import build_model, build_task, model_config_for, task_info
 from .checkpoint import (
@@ -128,25 +128,7 @@ def peak_memory_bytes(device: torch.device, baseline_rss: int) -> int:
     """Peak memory: CUDA ``max_memory_allocated``; on CPU, peak RSS above ``baseline_rss``."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    return max(0, _max_rss_bytes() - baseline_rss)
-
-
-def _max_rss_bytes() -> int:
-    """Peak resident memory of this process image, in bytes.
-
-    On Linux ``VmHWM`` of ``/proc/self/status``: ``ru_maxrss`` there carries over the peak of
-    the process that spawned this one (vfork + exec keeps it), so a run started by a large
-    parent such as ``aftlab compare`` would measure the parent. Elsewhere ``ru_maxrss``.
-    """
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024  # "VmHWM:   123456 kB"
-    except OSError:
-        pass
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
+    return max(0, peak_rss_bytes() - baseline_rss)
 
 
 # --------------------------------------------------------------------------- forward, loss, eval
@@ -546,7 +528,7 @@ class Trainer:
         cfg = self.config
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        self._baseline_rss = _max_rss_bytes()
+        self._baseline_rss = peak_rss_bytes()
         self._last_saved = self.step if self.resume and self.step > 0 else -1
         self._start_step, self._session_tokens0 = self.step, self.tokens_seen
         self._train_time, self._loss = 0.0, float("nan")

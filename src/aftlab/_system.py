@@ -1,0 +1,63 @@
+"""Facts of this machine and process, for the records of ``aftlab train`` and ``aftlab bench``:
+``/proc`` fields on Linux, the standard library's elsewhere."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import resource
+import sys
+
+import torch
+
+__all__ = ["machine_info", "peak_rss_bytes", "proc_bytes", "proc_field"]
+
+
+def proc_field(path: str, key: str) -> str:
+    """The value of ``key`` in ``/proc/<path>`` (``"key: value"`` lines); ``""`` if absent."""
+    try:
+        with open(f"/proc/{path}") as f:
+            fields = [line.partition(":") for line in f]
+    except OSError:
+        return ""
+    return next((v.strip() for k, _, v in fields if k.strip() == key), "")
+
+
+def proc_bytes(path: str, key: str) -> int:
+    """A ``/proc`` field in KiB (``"1234 kB"``), in bytes; 0 if absent."""
+    return int((proc_field(path, key) or "0").split()[0]) * 1024
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this process image, in bytes.
+
+    On Linux ``VmHWM`` of ``/proc/self/status``: ``ru_maxrss`` there carries over the peak of
+    the process that spawned this one (vfork + exec keeps it), so a run started by a large
+    parent such as ``aftlab compare`` would measure the parent. Elsewhere ``ru_maxrss``.
+    """
+    if peak := proc_bytes("self/status", "VmHWM"):
+        return peak
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
+
+
+def machine_info(device: torch.device, argv: list[str] | None = None) -> dict:
+    """What ran a measurement: CPU, cores, memory, torch, threads, GPU, command and date."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return {
+        "cpu_model": proc_field("cpuinfo", "model name")
+        or platform.processor()
+        or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "cpu_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "mem_total_bytes": proc_bytes("meminfo", "MemTotal") or None,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "command": " ".join(argv if argv is not None else sys.argv),
+        "date": now.strftime("%Y-%m-%d %H:%M:%S UTC"),
+    }
