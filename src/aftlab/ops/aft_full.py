@@ -412,7 +412,7 @@ def _lse_backward(gL, gA, k, v, wb, pad, A, den, redo, geo):
     # the block is skipped if that holds for every sequence, else their factors are zeroed.
     # Host reads (on a GPU, syncs), once per call and back to back, before the products: which
     # (sequence, block) has gradient, and the rescued rows.
-    live = _by_block(~off, _query_block(geo)).any(-1).any(-1)  # (B, n)
+    live = _by_block(~off, _query_block(geo)).any(-1).any(-1).bool()  # (B, n)
     live_host = live.t().tolist()
     rows = redo.nonzero()
     kb = _key_blocks(k, v, geo)
