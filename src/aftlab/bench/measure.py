@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._system import proc_bytes
+from .._system import peak_rss_bytes, proc_bytes
 from ..testing import assert_close, decode, max_error
 from .cases import Op, Shape, Spec, cases, prepare
 
@@ -164,7 +164,7 @@ def peak_memory(fn: Callable[[], object], device: torch.device) -> tuple[int | N
         return None, "unavailable (no /proc/self/clear_refs)", timed(fn, device)
     base = proc_bytes("self/status", "VmRSS")
     seconds = timed(fn, device)
-    return max(0, proc_bytes("self/status", "VmHWM") - base), "VmHWM - VmRSS", seconds
+    return max(0, peak_rss_bytes() - base), "VmHWM - VmRSS", seconds
 
 
 def _setup(spec: Spec, op: Op | None, device, dtype) -> tuple[Callable, dict]:
