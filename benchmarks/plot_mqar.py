@@ -4,7 +4,8 @@
 
 Reads ``OUT/d<D>-T<T>/results.json`` (``aftlab compare`` runs of benchmarks/mqar.sh; a cell split
 over several runs as ``d<D>-T<T>-<anything>/`` is read as one, a mixer in several of them at its
-best validation accuracy), prints a
+best validation accuracy; a folder without ``results.json``, a compare stopped before its table,
+is read from its runs' ``<mixer>/summary.json``), prints a
 markdown table (rows mixer and d_model, columns T, the chosen rate's test accuracy) and writes
 one PNG (needs matplotlib).
 """
@@ -18,22 +19,40 @@ import sys
 from pathlib import Path
 
 
+def rows_of(cell: Path) -> list[dict]:
+    """The compare rows of one cell folder: its ``results.json``, else its runs' ``summary.json``.
+
+    A run read from ``summary.json`` has no validation accuracy (``val_metric`` None): it counts
+    only where no run of the same mixer in the cell has one.
+    """
+    table = cell / "results.json"
+    if table.is_file():
+        return json.loads(table.read_text())["rows"]
+    rows = []
+    for summary in sorted(cell.glob("*/summary.json")):
+        run = json.loads(summary.read_text())
+        rows.append({"mixer": run["mixer"], "val_metric": None,
+                     "test_metric": run.get(f"test_{run.get('metric', 'accuracy')}")})
+    return rows
+
+
 def collect(root: Path) -> dict[tuple[str, int], dict[int, float]]:
-    """``{(mixer, d_model): {T: test accuracy}}`` of every ``d<D>-T<T>[-*]/results.json``.
+    """``{(mixer, d_model): {T: test accuracy}}`` of every ``d<D>-T<T>[-*]/`` cell folder.
 
     A mixer run more than once in a cell (another rate in another folder) counts once: the run
     with the best validation accuracy, as ``aftlab compare --lrs`` chooses (never the test split).
     """
     best: dict[tuple[str, int, int], tuple[float, float]] = {}
-    for path in sorted(root.glob("d*-T*/results.json")):
-        m = re.fullmatch(r"d(\d+)-T(\d+)(-.*)?", path.parent.name)
+    for cell in sorted(root.glob("d*-T*/")):
+        m = re.fullmatch(r"d(\d+)-T(\d+)(-.*)?", cell.name)
         if m is None:
             continue
         d, t = int(m[1]), int(m[2])
-        for row in json.loads(path.read_text())["rows"]:
+        for row in rows_of(cell):
             if row.get("test_metric") is None:
                 continue
-            key, val = (row["mixer"], d, t), row.get("val_metric") or 0.0
+            val = row["val_metric"] if row.get("val_metric") is not None else float("-inf")
+            key = (row["mixer"], d, t)
             if key not in best or val > best[key][0]:
                 best[key] = (val, row["test_metric"])
     acc: dict[tuple[str, int], dict[int, float]] = {}
