@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+import pytest
 
 
-def _plot_mqar():
-    spec = importlib.util.spec_from_file_location("plot_mqar", ROOT / "benchmarks" / "plot_mqar.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+@pytest.fixture
+def collect(benchmark_script):
+    return benchmark_script("plot_mqar").collect
 
 
 def _table(folder: Path, rows: list[dict]) -> None:
@@ -32,25 +29,25 @@ def _summary(folder: Path, mixer: str, test_accuracy: float) -> None:
     (folder / mixer / "summary.json").write_text(json.dumps(run))
 
 
-def test_a_mixer_in_two_folders_of_a_cell_counts_at_its_best_validation_not_test(tmp_path):
+def test_a_mixer_in_two_folders_of_a_cell_counts_at_its_best_validation_not_test(tmp_path, collect):
     _table(tmp_path / "d64-T64-lr1", [_row("attention", 0.9, 0.8)])
     _table(tmp_path / "d64-T64-lr2", [_row("attention", 0.5, 0.95)])
-    assert _plot_mqar().collect(tmp_path) == {("attention", 64): {64: 0.8}}
+    assert collect(tmp_path) == {("attention", 64): {64: 0.8}}
 
 
-def test_a_folder_without_results_json_is_read_from_its_runs_summaries(tmp_path):
+def test_a_folder_without_results_json_is_read_from_its_runs_summaries(tmp_path, collect):
     _summary(tmp_path / "d128-T64-b", "aft-local", 0.284)
     _summary(tmp_path / "d128-T64-b", "aft-simple", 0.271)
-    assert _plot_mqar().collect(tmp_path) == {("aft-local", 128): {64: 0.284},
+    assert collect(tmp_path) == {("aft-local", 128): {64: 0.284},
                                               ("aft-simple", 128): {64: 0.271}}
 
 
-def test_a_summary_without_validation_yields_to_a_run_with_it(tmp_path):
+def test_a_summary_without_validation_yields_to_a_run_with_it(tmp_path, collect):
     _summary(tmp_path / "d64-T128-a", "aft-full", 0.99)
     _table(tmp_path / "d64-T128-b", [_row("aft-full", 0.1, 0.14)])
-    assert _plot_mqar().collect(tmp_path) == {("aft-full", 64): {128: 0.14}}
+    assert collect(tmp_path) == {("aft-full", 64): {128: 0.14}}
 
 
-def test_folders_outside_the_grid_are_not_read(tmp_path):
+def test_folders_outside_the_grid_are_not_read(tmp_path, collect):
     _table(tmp_path / "probe-d64-T64", [_row("attention", 1.0, 1.0)])
-    assert _plot_mqar().collect(tmp_path) == {}
+    assert collect(tmp_path) == {}
