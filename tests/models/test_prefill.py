@@ -39,11 +39,14 @@ def _steps(model: TransformerLM, idx: torch.Tensor):
 
 
 def _assert_same_state(where: str, got, expected) -> None:
-    """Every field of two mixer states (dataclasses) equal: tensors within float tolerance."""
+    """Every field of two mixer states (dataclasses, nested ones too) equal: tensors within float
+    tolerance."""
     assert type(got) is type(expected), f"{where}: {type(got).__name__}"
     for f in dataclasses.fields(expected):
         a, e = getattr(got, f.name), getattr(expected, f.name)
-        if isinstance(e, torch.Tensor):
+        if dataclasses.is_dataclass(e):
+            _assert_same_state(f"{where}: {f.name}", a, e)
+        elif isinstance(e, torch.Tensor):
             assert a.dtype == e.dtype, f"{where}: {f.name} dtype {a.dtype} != {e.dtype}"
             assert_close(f"{where}: {f.name}", a, e)
         else:

@@ -87,6 +87,7 @@ import torch
 from .. import kernels
 from .._autograd import register_autograd_once
 from .._checks import check_compatible, check_qkv, check_tensor
+from ._numerics import compute_dtype
 from .reference import biased_average_reference
 
 __all__ = ["aft_full", "aft_full_reference", "lse_average"]
@@ -112,11 +113,6 @@ class Geometry(NamedTuple):
     alpha: int
     beta: int
     causal: bool
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float16/bfloat16 are computed in float32; other dtypes in themselves."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 # ----------------------------------------------------------------------------- blocks

@@ -12,18 +12,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ...ops._numerics import compute_dtype
 from ..base import SequenceMixer, mark_residual_projection
 
-__all__ = ["AFTMixer", "RunningSums", "shifted_sums", "state_dtype"]
+__all__ = ["AFTMixer", "RunningSums", "shifted_sums"]
 
 
 #: exponent floor of :func:`shifted_sums`: ``e^-60 < 1e-26``, negligible next to 1 in float64
 _NEGLIGIBLE = -60.0
-
-
-def state_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Decoding states keep float16/bfloat16 in float32, other dtypes in themselves."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def shifted_sums(
@@ -78,7 +74,7 @@ class RunningSums:
         cls, batch_size: int, d: int, *, device: torch.device | str, dtype: torch.dtype
     ) -> RunningSums:
         """The state before any token; float16/bfloat16 states are kept in float32."""
-        z = torch.zeros(batch_size, d, device=device, dtype=state_dtype(dtype))
+        z = torch.zeros(batch_size, d, device=device, dtype=compute_dtype(dtype))
         return cls(a=z, b=z.clone(), p=torch.full_like(z, float("-inf")))
 
     @classmethod

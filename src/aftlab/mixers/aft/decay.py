@@ -18,9 +18,10 @@ import torch
 from torch import nn
 
 from ..._checks import check_positive_int
+from ...ops._numerics import compute_dtype
 from ...ops.aft_decay import _aft_decay
 from ..registry import register_mixer
-from .common import AFTMixer, RunningSums, state_dtype
+from .common import AFTMixer, RunningSums
 
 if TYPE_CHECKING:
     from ...models.config import TransformerConfig
@@ -121,7 +122,7 @@ class AFTDecay(AFTMixer):
         out = self.output(y, padding_mask)
         if not return_state:
             return out
-        sdt = state_dtype(x.dtype)
+        sdt = compute_dtype(x.dtype)
         age = torch.arange(x.shape[1] - 1, -1, -1, device=x.device, dtype=sdt)  # T-1-t'
         z = k.to(sdt) - age[:, None] * lam.to(sdt)
         return out, RunningSums.from_tokens(z, v.to(sdt))

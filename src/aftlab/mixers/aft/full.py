@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from ..._checks import check_positive_int
-from ...ops.aft_full import _aft_full, compute_dtype
+from ...ops._numerics import compute_dtype
+from ...ops.aft_full import _aft_full
 from ..registry import register_mixer
 from .common import AFTMixer
 

@@ -7,10 +7,9 @@ from dataclasses import dataclass
 import torch
 
 from ..._checks import check_positive_int
-from ...ops.aft_full import compute_dtype
 from ...ops.aft_local import _aft_local_band, band_geometry
 from ..registry import register_mixer
-from .common import AFTMixer, shifted_sums
+from .common import AFTMixer, RunningSums
 from .full import PositionBias, require_max_seq_len
 
 __all__ = ["AFTLocal", "AFTLocalState"]
@@ -20,14 +19,12 @@ __all__ = ["AFTLocal", "AFTLocalState"]
 class AFTLocalState:
     """Decoding state of causal AFT-local.
 
-    ``m, num, den`` ``(B, d)``: running max ``m`` of the keys that left the window
-    (``t' <= t - s``) and ``sum exp(K_t' - m) V_t'``, ``sum exp(K_t' - m)`` over them;
+    ``gone``: the running sums of the keys that left the window (``t' <= t - s``):
+    ``p = max K_t'``, ``a = sum exp(K_t' - p) V_t'``, ``b = sum exp(K_t' - p)``, ``(B, d)`` each;
     ``k, v`` ``(B, s, d)``: ring buffer of the last ``s`` keys and values (slot ``t' mod s``).
     """
 
-    m: torch.Tensor
-    num: torch.Tensor
-    den: torch.Tensor
+    gone: RunningSums
     k: torch.Tensor
     v: torch.Tensor
     t: int = 0
@@ -105,19 +102,18 @@ class AFTLocal(AFTMixer):
         """The decoding state after the keys and values ``k, v: (B, T, d)`` of a whole prompt.
 
         With ``s = min(window, T_max)``: the ring buffer holds keys and values
-        ``max(0, T - s) .. T - 1`` (slot ``t' mod s``), and ``m, num, den`` are
-        :func:`~aftlab.mixers.aft.common.shifted_sums` over the keys ``t' < T - s`` that left
-        the window, reduced in one pass.
+        ``max(0, T - s) .. T - 1`` (slot ``t' mod s``), and ``gone`` sums the keys ``t' < T - s``
+        that left the window, reduced in one pass (:meth:`RunningSums.from_tokens`).
         """
         B, T, _ = k.shape
         state = self._init_state(B, k.device, k.dtype)
-        cd, s = state.num.dtype, state.k.shape[1]
+        cd, s = state.gone.a.dtype, state.k.shape[1]
         k, v = k.to(cd), v.to(cd)
-        gone = max(0, T - s)
-        state.m, state.num, state.den = shifted_sums(k[:, :gone], v[:, :gone])
+        n_gone = max(0, T - s)
+        state.gone = RunningSums.from_tokens(k[:, :n_gone], v[:, :n_gone])
         if s:
-            kept = torch.arange(gone, T, device=k.device)
-            state.k[:, kept % s], state.v[:, kept % s] = k[:, gone:], v[:, gone:]
+            kept = torch.arange(n_gone, T, device=k.device)
+            state.k[:, kept % s], state.v[:, kept % s] = k[:, n_gone:], v[:, n_gone:]
         state.t = T
         return state
 
@@ -127,46 +123,38 @@ class AFTLocal(AFTMixer):
     def _init_state(
         self, batch_size: int, device: torch.device | str, dtype: torch.dtype
     ) -> AFTLocalState:
-        """Nothing outside the window (``m = -inf``), an empty ring buffer of ``min(s, T_max)``."""
-        dt = compute_dtype(dtype)
+        """Nothing outside the window (``p = -inf``), an empty ring buffer of ``min(s, T_max)``."""
         s = min(self.window, self.max_seq_len)
-        z = torch.zeros(batch_size, self.d_model, device=device, dtype=dt)
-        buf = torch.zeros(batch_size, s, self.d_model, device=device, dtype=dt)
-        return AFTLocalState(torch.full_like(z, float("-inf")), z, z.clone(), buf, buf.clone())
-
-    def _fold(self, state: AFTLocalState, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Add one key that left the window to the running sums (online log-sum-exp)."""
-        m = torch.maximum(state.m, k)
-        old, new = torch.exp(state.m - m), torch.exp(k - m)
-        state.num = state.num * old + new * v
-        state.den = state.den * old + new
-        state.m = m
+        gone = RunningSums.empty(batch_size, self.d_model, device=device, dtype=dtype)
+        buf = torch.zeros(batch_size, s, self.d_model, device=device, dtype=gone.a.dtype)
+        return AFTLocalState(gone, buf, buf.clone())
 
     def _step(self, x: torch.Tensor, state: AFTLocalState) -> tuple[torch.Tensor, AFTLocalState]:
         """One token ``x: (B, d_model)`` at position ``t``; ``O(s d)``."""
         t = state.t
         self._check_position(t)
         q, k, v = self.project(x)
-        cd = state.num.dtype
+        gone = state.gone
+        cd = gone.a.dtype
         k, v = k.to(cd), v.to(cd)
         s = state.k.shape[1]
         if s == 0:
-            self._fold(state, k, v)
-            m, num, den = state.m, state.num, state.den
+            gone.fold(k, v)
+            num, den = gone.a, gone.b
         else:
             slot = t % s
             if t >= s:  # key t - s leaves the window; its slot takes key t
-                self._fold(state, state.k[:, slot], state.v[:, slot])
+                gone.fold(state.k[:, slot], state.v[:, slot])
             state.k[:, slot], state.v[:, slot] = k, v
             pos = torch.arange(t - s + 1, t + 1, device=k.device)  # band keys, oldest first
             seen = pos >= 0
             pos = pos.clamp(min=0)
             w = self.pos_bias.entries(t, pos).to(cd).masked_fill(~seen, float("-inf"))
             sc = state.k[:, pos % s] + w[None, :, None]  # (B, s, d): K_t' + w_{t,t'}
-            m = torch.maximum(sc.amax(1), state.m)  # per-(t, c) max over every key t' <= t
+            m = torch.maximum(sc.amax(1), gone.p)  # per-(t, c) max over every key t' <= t
             e = torch.exp(sc - m[:, None])
-            old = torch.exp(state.m - m)
-            num = (e * state.v[:, pos % s]).sum(1) + state.num * old
-            den = e.sum(1) + state.den * old
+            old = torch.exp(gone.p - m)
+            num = (e * state.v[:, pos % s]).sum(1) + gone.a * old
+            den = e.sum(1) + gone.b * old
         state.t = t + 1
         return self.output((torch.sigmoid(q.to(cd)) * num / den).to(q.dtype)), state

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from ...ops._numerics import compute_dtype
 from ...ops.aft_simple import _aft_simple
 from ..registry import register_mixer
-from .common import AFTMixer, RunningSums, state_dtype
+from .common import AFTMixer, RunningSums
 
 __all__ = ["AFTSimple", "AFTSimpleState"]
 
@@ -47,7 +48,7 @@ class AFTSimple(AFTMixer):
         out = self.output(y, padding_mask)
         if not return_state:
             return out
-        sdt = state_dtype(x.dtype)
+        sdt = compute_dtype(x.dtype)
         return out, RunningSums.from_tokens(k.to(sdt), v.to(sdt))
 
     def _init_state(
