@@ -36,11 +36,8 @@ def predictions(run_dir: str, batch_size: int = 64) -> tuple[np.ndarray, np.ndar
     if run.config.task != "recall":
         raise UsageError(f"{run_dir}: task {run.config.task!r}, not 'recall'")
     inp, target = run.task.eval_set("test")
-    pred = np.empty_like(target)
-    for i in range(0, len(inp), batch_size):
-        batch = {"input": torch.from_numpy(inp[i : i + batch_size].copy()),
-                 "target": torch.from_numpy(target[i : i + batch_size].copy())}
-        pred[i : i + batch_size] = forward_batch(run.model, batch).argmax(-1).numpy()
+    batches = run.task.eval_batches("test", batch_size=batch_size)
+    pred = np.concatenate([forward_batch(run.model, b).argmax(-1).numpy() for b in batches])
     return inp, target, pred
 
 
