@@ -43,14 +43,18 @@ def assert_close(
     *,
     atol: float | None = None,
     rtol: float | None = None,
+    precision: torch.dtype | None = None,
 ) -> None:
     """Assert ``|actual - expected| <= atol + rtol * |expected|`` elementwise, naming ``name``.
 
-    Tolerances default to :func:`default_tolerance` of ``actual.dtype``. The comparison runs in
+    Tolerances default to :func:`default_tolerance` of ``precision``, the dtype ``actual`` was
+    computed in, which is ``actual.dtype`` unless given: a value stored wider than it was
+    computed (a float64 state field summed from float32 keys) is compared at the narrower
+    precision, since its last bits follow the CPU's summation order. The comparison runs in
     float64, so a low-precision result can be checked against a float64 reference directly.
     Non-finite values in ``actual`` fail unless ``expected`` has the same non-finite value there.
     """
-    d_atol, d_rtol = default_tolerance(actual.dtype)
+    d_atol, d_rtol = default_tolerance(actual.dtype if precision is None else precision)
     atol = d_atol if atol is None else atol
     rtol = d_rtol if rtol is None else rtol
     if actual.shape != expected.shape:
