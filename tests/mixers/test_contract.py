@@ -3,10 +3,10 @@
 Decoding (``init_state`` + ``step``) and prefill equal the forward; padded keys change nothing and
 a query with no key gives zeros; no later input reaches an earlier output, forward or backward;
 bf16 autocast stays close to float32; gradients reach every parameter; dtype and device follow
-the module; the decoding state does not grow with ``T`` (unless declared below); dropout in
-training only; bad input gets an error naming the argument. Odd sizes throughout (``d = 15``,
-3 heads of 5, ``T = 11``). Per-mixer files test only what is a mixer's own: its formula against
-the op, its options, its initialisation.
+the module; the decoding state does not grow with ``T`` (unless the class says
+``growing_state``); dropout in training only; bad input gets an error naming the argument. Odd
+sizes throughout (``d = 15``, 3 heads of 5, ``T = 11``). Per-mixer files test only what is a
+mixer's own: its formula against the op, its options, its initialisation.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import dataclasses
 import pytest
 import torch
 
-from aftlab.mixers import available_mixers, build_mixer
+from aftlab.mixers import available_mixers, build_mixer, get_mixer_class
 from aftlab.testing import assert_close, decode, perturb_parameters
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -24,21 +24,15 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 B, T, D, H, T_MAX = 3, 11, 15, 3, 48
 F64 = torch.float64
 
-#: the built-in mixers, at collection
+#: the registered mixers, at collection; what each declares comes from its class
 NAMES = available_mixers()
-#: mixers that refuse ``causal=False``
-CAUSAL_ONLY = {"aft-decay"}
-#: mixers whose decoding state grows with the decoded length (a key-value cache)
-GROWING_STATE = {"attention", "attention-naive"}
-#: small windows and kernels, so that the ring buffers wrap within T
-SMALL = {"aft-local": {"window": 3}, "aft-conv": {"kernel_size": 3}}
-
-CASES = [(n, c) for n in NAMES for c in (False, True) if c or n not in CAUSAL_ONLY]
+CASES = [(n, c) for n in NAMES for c in (False, True) if c or not get_mixer_class(n).causal_only]
 
 
 def _mixer(name, causal=True, dtype=F64, **kw):
-    """``name`` with every parameter perturbed (no zero bias or kernel hides a path), eval mode."""
-    opts = {**SMALL.get(name, {}), **kw}
+    """``name`` with every parameter perturbed (no zero bias or kernel hides a path), eval mode,
+    with its ``test_options`` (small windows and kernels: the ring buffers wrap within T)."""
+    opts = {**get_mixer_class(name).test_options, **kw}
     m = build_mixer(name, d_model=D, n_heads=H, causal=causal, max_seq_len=T_MAX, **opts)
     return perturb_parameters(m.to(dtype)).eval()
 
@@ -106,7 +100,7 @@ def test_state_size(name):
         for n in (3, 40):  # 3 then 43 tokens: past the 16 slots a key-value cache starts with
             _, state = decode(m, _x(B, n), state)
             sizes.append(sum(t.numel() for t in _tensors(state)))
-    if name in GROWING_STATE:
+    if get_mixer_class(name).growing_state:
         assert sizes[0] == sizes[1] < sizes[2], sizes
     else:
         assert sizes[0] == sizes[1] == sizes[2], f"{name}: state grew: {sizes} elements"
@@ -245,7 +239,7 @@ def test_odd_and_empty_sizes(name, causal):
         assert y.shape == (*shape, D) and torch.isfinite(y).all()
 
 
-@pytest.mark.parametrize("name", sorted(CAUSAL_ONLY))
+@pytest.mark.parametrize("name", [n for n in NAMES if get_mixer_class(n).causal_only])
 def test_causal_only_mixers_refuse_causal_false(name):
     with pytest.raises(ValueError, match="'causal'"):
         build_mixer(name, d_model=D, causal=False)

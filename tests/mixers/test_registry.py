@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,6 +36,10 @@ def _temporary_name(name: str):
     finally:
         if name in available_mixers():
             unregister_mixer(name)
+
+
+def _limited(name: str) -> bool:
+    return get_mixer_class(name).length_limited
 
 
 def _identity_class():
@@ -117,14 +124,14 @@ def test_common_argument_validation_reaches_the_user():
             build_mixer(name, d_model=8, dropout=1.5)
 
 
-@pytest.mark.parametrize("name", ["attention", "aft-simple", "aft-conv", "aft-decay"])
+@pytest.mark.parametrize("name", [n for n in available_mixers() if not _limited(n)])
 def test_mixers_without_a_position_table_take_any_length(name):
     m = build_mixer(name, d_model=8, n_heads=2, causal=True, max_seq_len=4)
     assert not m.length_limited
     assert m(torch.randn(1, 9, 8)).shape == (1, 9, 8)
 
 
-@pytest.mark.parametrize("name", ["aft-full", "aft-local"])
+@pytest.mark.parametrize("name", [n for n in available_mixers() if _limited(n)])
 def test_mixers_with_a_position_table_refuse_longer_inputs(name):
     m = build_mixer(name, d_model=8, n_heads=2, causal=True, max_seq_len=4)
     assert m.length_limited
@@ -226,3 +233,24 @@ def test_base_init_state_defaults_and_guards(toy):
         build_mixer(toy, d_model=8).init_state(2)
     with pytest.raises(RuntimeError, match="step\\(\\) needs a causal mixer"):
         build_mixer(toy, d_model=8).step(torch.zeros(2, 8), None)
+
+
+def test_a_registered_class_is_the_only_edit_the_lists_need(toy):
+    """``aftlab compare``'s defaults, the bench's cases and the contract and prefill suites all
+    derive from the registry: a mixer registered by its class alone is in each of them."""
+    from aftlab.bench import cases
+    from aftlab.train.compare import default_mixers
+
+    assert toy in default_mixers() and toy in cases()
+    assert "attention-naive" not in default_mixers()  # a reference: SequenceMixer.reference
+    root = Path(__file__).resolve().parents[2]
+    suites = ["tests/mixers/test_contract.py", "tests/models/test_prefill.py"]
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+         "tests.mixers.toy_plugin", "-k", "zz-toy-plugin", *suites],
+        cwd=root, capture_output=True, text=True, timeout=600,
+    )
+    summary = run.stdout.strip().splitlines()[-1]
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    passed = int(re.search(r"(\d+) passed", summary).group(1))
+    assert passed >= 20 and "failed" not in summary, summary

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from aftlab.mixers import available_mixers, get_mixer_class
 from aftlab.models import PixelTransformer, TransformerConfig, TransformerLM
 from aftlab.models.generation import sample_next_token
 
@@ -87,7 +88,9 @@ def test_learned_positions_limit_generation():
         lm.step(torch.tensor([1]), cache)
 
 
-@pytest.mark.parametrize("mixer", ["aft-full", "aft-local"])
+@pytest.mark.parametrize(
+    "mixer", [n for n in available_mixers() if get_mixer_class(n).length_limited]
+)
 def test_length_limited_mixers_refuse_long_generation_up_front(mixer):
     lm = _lm(max_seq_len=10, positional="sinusoidal", mixer=mixer)
     assert lm.generate(_prompt(T=4), 6).shape == (3, 10)

@@ -8,7 +8,13 @@ import pytest
 import torch
 from torch import nn
 
-from aftlab.mixers import SequenceMixer, available_mixers, build_mixer, register_mixer
+from aftlab.mixers import (
+    SequenceMixer,
+    available_mixers,
+    build_mixer,
+    get_mixer_class,
+    register_mixer,
+)
 from aftlab.mixers import registry as _registry
 from aftlab.models import PixelTransformer, TransformerConfig, TransformerLM
 from aftlab.testing import assert_close
@@ -16,14 +22,19 @@ from aftlab.testing import assert_close
 #: every registered mixer that decodes (aft-decay included; none is non-causal only)
 CAUSAL_MIXERS = available_mixers()
 LENGTHS = [1, 7, 33]
-#: small windows and kernels so the ring buffers wrap within the prompt
-SMALL = {"aft-local": {"window": 3}, "aft-conv": {"kernel_size": 3}}
+#: mixers with a ``T_max`` position table
+LENGTH_LIMITED = [n for n in CAUSAL_MIXERS if get_mixer_class(n).length_limited]
+
+
+def _small(name: str) -> dict:
+    """The mixer's ``test_options``: small windows and kernels, ring buffers wrap in a prompt."""
+    return dict(get_mixer_class(name).test_options)
 
 
 def _lm(name: str, **kw) -> TransformerLM:
     """A float64 LM (odd sizes) with every parameter perturbed: biases, kernels, decays move."""
     base = dict(vocab_size=29, d_model=15, n_layers=2, n_heads=3, max_seq_len=40)
-    cfg = TransformerConfig(**{**base, "mixer": name, "mixer_options": SMALL.get(name, {}), **kw})
+    cfg = TransformerConfig(**{**base, "mixer": name, "mixer_options": _small(name), **kw})
     model = TransformerLM(cfg).double().eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -120,7 +131,7 @@ def test_pixel_sample_completes_a_prefix_after_prefill(name):
     torch.manual_seed(1)
     cfg = TransformerConfig(
         vocab_size=17, d_model=15, n_layers=2, n_heads=3, max_seq_len=16, mixer=name,
-        mixer_options=SMALL.get(name, {}),
+        mixer_options=_small(name),
     )
     model = PixelTransformer(cfg, image_shape=(4, 4)).double().eval()
     with torch.no_grad():
@@ -142,7 +153,7 @@ def test_pixel_sample_completes_a_prefix_after_prefill(name):
 def test_mixer_return_state_keeps_forward_and_matches_steps(name, dtype, scale):
     """Module level: ``y`` is forward's bit for bit; the state is ``T`` steps'."""
     torch.manual_seed(0)
-    m = build_mixer(name, d_model=15, n_heads=3, causal=True, max_seq_len=40, **SMALL.get(name, {}))
+    m = build_mixer(name, d_model=15, n_heads=3, causal=True, max_seq_len=40, **_small(name))
     m.to(dtype).eval()
     with torch.no_grad():
         for p in m.parameters():
@@ -157,7 +168,7 @@ def test_mixer_return_state_keeps_forward_and_matches_steps(name, dtype, scale):
     _assert_same_state(name, state, steps, dtype)
 
 
-@pytest.mark.parametrize("name", ["aft-full", "aft-local"])
+@pytest.mark.parametrize("name", LENGTH_LIMITED)
 def test_length_limited_mixers_refuse_overflow(name):
     model = _lm(name, max_seq_len=10, positional="sinusoidal")
     with pytest.raises(ValueError, match="sequence length 11 of 'x' exceeds max_seq_len"):
@@ -188,7 +199,7 @@ def test_return_state_bad_input(name):
     _assert_same_state(name, state, m.init_state(2), torch.float32)
     with pytest.raises(ValueError, match=r"'x' must have shape \(\*, \*, 15\), got \(2, 5, 14\)"):
         m.prefill(torch.randn(2, 5, 14))
-    if name != "aft-decay":  # causal only
+    if not get_mixer_class(name).causal_only:
         bidir = build_mixer(name, d_model=15, n_heads=3, causal=False, max_seq_len=40)
         with pytest.raises(RuntimeError, match="needs a causal mixer"):
             bidir(x, return_state=True)

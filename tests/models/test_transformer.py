@@ -9,7 +9,13 @@ import torch
 from torch import nn
 
 from aftlab.functional import seed_attention, seed_feedforward
-from aftlab.mixers import SequenceMixer, available_mixers, build_mixer, register_mixer
+from aftlab.mixers import (
+    SequenceMixer,
+    available_mixers,
+    build_mixer,
+    get_mixer_class,
+    register_mixer,
+)
 from aftlab.mixers import registry as _registry
 from aftlab.models import (
     PixelTransformer,
@@ -38,13 +44,10 @@ def _decode_all(model: TransformerLM, idx: torch.Tensor) -> torch.Tensor:
     return torch.stack([model.step(idx[:, t], cache) for t in range(idx.shape[1])], dim=1)
 
 
-#: Mixers that exist in one mode only; every other mixer must build both ways.
-_CAUSAL_ONLY = {"aft-decay"}
-
-
 def _supports(name: str, *, causal: bool) -> bool:
-    """Whether mixer ``name`` builds with ``causal`` (it must, unless it is one-mode only)."""
-    if name in _CAUSAL_ONLY and not causal:
+    """Whether mixer ``name`` builds with ``causal`` (it must, unless its class says
+    ``causal_only``)."""
+    if get_mixer_class(name).causal_only and not causal:
         with pytest.raises(ValueError, match="causal"):
             build_mixer(name, d_model=16, n_heads=2, causal=False, max_seq_len=16)
         return False

@@ -405,7 +405,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
 def add_compare(sub) -> None:
     from ..mixers import available_mixers
-    from ..train.compare import DEFAULT_MIXERS
+    from ..train.compare import default_mixers
 
     p = add_command(
         sub,
@@ -430,7 +430,7 @@ def add_compare(sub) -> None:
         "--mixers",
         help="comma-separated mixers, each NAME or NAME:KEY=VALUE[:KEY=VALUE] with mixer options "
         f"(e.g. aft-local:window=8); NAME: {', '.join(available_mixers())}; default: "
-        f"{','.join(DEFAULT_MIXERS)}",
+        f"{','.join(default_mixers())}",
     )
     p.add_argument(
         "--seeds",
@@ -463,7 +463,7 @@ def add_compare(sub) -> None:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from ..train.compare import DEFAULT_MIXERS, parse_lrs, run_compare, sample_best
+    from ..train.compare import default_mixers, parse_lrs, run_compare, sample_best
     from ..train.config import load_config
 
     if args.seeds < 1:
@@ -472,7 +472,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     check_config_file(args.config)
     flags = _flags(args, ("task", "data", "steps"))
     base = load_config(args.config, _overrides(args), values=flags)
-    mixers = [m.strip() for m in args.mixers.split(",")] if args.mixers else list(DEFAULT_MIXERS)
+    mixers = [m.strip() for m in args.mixers.split(",")] if args.mixers else default_mixers()
     if not all(mixers):
         raise UsageError(
             f"--mixers {args.mixers!r} has an empty name; expected e.g. attention,aft-local"

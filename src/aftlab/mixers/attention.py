@@ -198,6 +198,7 @@ class MultiHeadAttention(SequenceMixer):
     """
 
     parallel_prefill = True
+    growing_state = True
 
     @classmethod
     def from_config(cls, config: TransformerConfig, *, layer_idx: int = 0) -> MultiHeadAttention:
@@ -381,6 +382,8 @@ class NaiveMultiHeadAttention(MultiHeadAttention):
     ``A_h = softmax(s Q_h K_h^T + M)`` is materialised with einsum (``(B, H, T, T)``) and
     ``y_h = A_h V_h``; same parameters, options and state as ``"attention"``.
     """
+
+    reference = True
 
     def _attend(
         self,

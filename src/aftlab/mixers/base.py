@@ -115,6 +115,16 @@ class SequenceMixer(nn.Module):
     #: options a task may fill when the config does not set them (``aft-conv``: ``("grid",)``,
     #: the image shape of a pixel task)
     options_from_task: ClassVar[tuple[str, ...]] = ()
+    #: True for mixers that exist causal only (``aft-decay``): ``causal=False`` is a ValueError
+    causal_only: ClassVar[bool] = False
+    #: True for mixers whose decoding state grows with the decoded length (a key-value cache)
+    growing_state: ClassVar[bool] = False
+    #: True for a slow, obvious implementation kept to check a fast one (``attention-naive``):
+    #: left out of ``aftlab compare``'s default mixers
+    reference: ClassVar[bool] = False
+    #: small options under which a test's short sequence reaches every path of the mixer (ring
+    #: buffers that wrap within a few tokens); the test suites build each mixer with them
+    test_options: ClassVar[dict[str, Any]] = {}
 
     def __init__(
         self,

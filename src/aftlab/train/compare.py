@@ -39,6 +39,7 @@ import torch
 
 from .._checks import did_you_mean
 from .._json import dumps
+from ..mixers import available_mixers, get_mixer_class
 from .build import build_model, build_task, model_config_for, task_info
 from .checkpoint import atomic_write_text
 from .config import TrainConfig, parse_override, to_toml
@@ -46,7 +47,7 @@ from .errors import UsageError
 from .plot import plot_loss_curves, plot_throughput
 
 __all__ = [
-    "DEFAULT_MIXERS",
+    "default_mixers",
     "MixerSpec",
     "parse_mixer_spec",
     "parse_lrs",
@@ -59,9 +60,10 @@ __all__ = [
     "sample_best",
 ]
 
-#: The mixers compared by default: the Transformer and every AFT variant
-#: (the paper's four and RWKV's decay).
-DEFAULT_MIXERS = ("attention", "aft-full", "aft-local", "aft-simple", "aft-conv", "aft-decay")
+def default_mixers() -> list[str]:
+    """The mixers compared by default: every registered one but the references kept to check a
+    fast implementation (``SequenceMixer.reference``, e.g. ``attention-naive``), sorted."""
+    return [name for name in available_mixers() if not get_mixer_class(name).reference]
 
 
 @dataclass(frozen=True)
@@ -371,8 +373,6 @@ def run_compare(
         UsageError: an unknown mixer or bad entry, ``seeds < 1``, a bad rate, a bad ``sample``,
             a mixer that diverged at every rate, a failed run.
     """
-    from ..mixers import available_mixers
-
     if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
         raise UsageError(f"--seeds must be a positive integer, got {seeds!r}")
     lrs = list(lrs) if lrs else [base.lr]

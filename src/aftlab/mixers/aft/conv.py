@@ -71,6 +71,7 @@ class AFTConvMixer(AFTMixer):
     """
 
     options_from_task = ("grid",)
+    test_options = {"kernel_size": 3}
 
     def __init__(
         self, *, kernel_size: int = 31, grid: tuple[int, int] | None = None, **common

@@ -67,6 +67,8 @@ class AFTDecay(AFTMixer):
         ``step``: ``x (B, d)`` -> ``(B, d)``.
     """
 
+    causal_only = True
+
     @classmethod
     def from_config(cls, config: TransformerConfig, *, layer_idx: int = 0) -> AFTDecay:
         """:meth:`SequenceMixer.from_config` plus ``layer_idx`` and ``config.n_layers``, for the

@@ -46,6 +46,7 @@ class AFTLocal(AFTMixer):
     """
 
     length_limited = True
+    test_options = {"window": 3}
 
     def __init__(self, *, window: int = 32, bias_rank: int | None = 64, **common) -> None:
         super().__init__(**common)
