@@ -8,13 +8,14 @@ opaque error from deep inside torch.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
 __all__ = [
     "DTypeError",
     "check_tensor",
+    "check_state_dtypes",
     "check_compatible",
     "check_padding_mask",
     "check_positive_int",
@@ -178,3 +179,29 @@ def check_qkv(where: str, q: object, k: object, v: object, padding_mask: object 
     check_compatible(where, {"q": q, "k": k, "v": v})
     if padding_mask is not None:
         check_padding_mask(where, padding_mask, tuple(q.shape[:2]), "q", q)
+
+
+def check_state_dtypes(
+    where: str, dtypes: Mapping[str, torch.dtype], module: torch.nn.Module
+) -> None:
+    """Refuse weights that ``module.load_state_dict`` would cast into something else.
+
+    A floating-point tensor of any precision loads into a floating-point one (cast to the
+    module's dtype); any other tensor must have the module's dtype, so integer, bool and
+    complex weights are refused. ``dtypes`` maps state-dict names to the dtypes to load; names
+    the module lacks are left to ``load_state_dict``.
+
+    Raises:
+        DTypeError: naming the tensor, its dtype and the dtype expected.
+    """
+    own = module.state_dict()
+    for name, dtype in dtypes.items():
+        want = own[name].dtype if name in own else dtype
+        if dtype == want or (dtype.is_floating_point and want.is_floating_point):
+            continue
+        expected = (
+            f"floating point (the model's {want}; any floating dtype is cast to it)"
+            if want.is_floating_point
+            else f"the model's {want}"
+        )
+        raise DTypeError(f"{where}: '{name}' has dtype {dtype}, expected {expected}")

@@ -232,7 +232,7 @@ def resolve_train_config(args: argparse.Namespace):
         raise UsageError(
             f"nothing to resume in {out!r}: it has no config.toml (start it without --resume)"
         )
-    saved = load_config(saved_path)
+    saved = load_config(saved_path, stored=True)
     if args.config is not None:
         cfg = load_config(args.config, overrides, values=flags)
     else:

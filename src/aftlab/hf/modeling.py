@@ -24,16 +24,21 @@ generation are refused (the state is not reordered between beams nor rewound).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from os import PathLike
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.utils import ModelOutput
 
+from .._checks import check_state_dtypes
 from ..models.generation import DecodingCache, check_tokens
 from ..models.transformer import TransformerLM
+from ..train.errors import reason
 from .configuration import AftlabConfig
 
 __all__ = ["AftlabForCausalLM", "AftlabCausalLMOutput"]
@@ -96,6 +101,33 @@ class AftlabForCausalLM(PreTrainedModel, GenerationMixin):
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         return False  # the state is aftlab's DecodingCache, never a transformers Cache
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any):
+        """transformers' ``from_pretrained``, refusing damaged files and weights of a local
+        folder that are not floating point (transformers would cast int, bool and complex).
+
+        Raises:
+            ValueError: a JSON file nested too deeply, a ``.safetensors`` file safetensors
+                cannot read, or a weight of another dtype than the model can take
+                (:func:`aftlab._checks.check_state_dtypes`); the message names the folder.
+        """
+        where = f"{cls.__name__}.from_pretrained({str(pretrained_model_name_or_path)!r})"
+        try:
+            model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        except (RecursionError, SafetensorError) as e:
+            what = "JSON file" if isinstance(e, RecursionError) else ".safetensors file"
+            raise ValueError(f"{where}: a {what} is damaged ({reason(e)})") from None
+        name, local = pretrained_model_name_or_path, []
+        if isinstance(name, (str, PathLike)) and Path(name).is_dir():  # a hub model: not read
+            local = sorted(Path(name, kwargs.get("subfolder") or "").glob("*.safetensors"))
+        for path in local:
+            with safe_open(str(path), framework="pt") as f:
+                slices = {k: f.get_slice(k) for k in f.keys()}
+                # an empty slice gives the dtype without reading the data (0-d: one element)
+                dtypes = {k: (s[:0] if s.get_shape() else s[...]).dtype for k, s in slices.items()}
+            check_state_dtypes(f"{where}: {path.name}", dtypes, model)
+        return model
 
     # ------------------------------------------------------------------ embeddings
     def get_input_embeddings(self) -> nn.Embedding:

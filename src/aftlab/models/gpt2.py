@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
+from .._checks import check_state_dtypes
 from .config import TransformerConfig
 
 if TYPE_CHECKING:
@@ -160,7 +161,8 @@ def load_gpt2_state_dict(
 
     Raises:
         ValueError: ``n_heads`` missing or not dividing ``n_embd``; a missing, unexpected or
-            wrongly shaped tensor (named with expected and received shape).
+            wrongly shaped tensor (named with expected and received shape), or one of a dtype
+            that is not floating point (:func:`aftlab._checks.check_state_dtypes`).
     """
     where = f"{cls.__name__}.from_gpt2_state_dict"
     if config is None:
@@ -194,5 +196,6 @@ def load_gpt2_state_dict(
         raise ValueError(
             f"{where}: config.tie_embeddings=True but lm_head.weight differs from wte.weight"
         )
+    check_state_dtypes(where, {k: v.dtype for k, v in converted.items()}, model)
     model.load_state_dict(converted)
     return model

@@ -35,11 +35,12 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, load_model, save_file, save_model
+from safetensors.torch import load_file, save_file, save_model
 from torch import nn
 
+from .._checks import DTypeError, check_state_dtypes
 from .._json import dumps
-from .errors import UsageError
+from .errors import READ_ERRORS, UsageError, reason
 
 try:
     import fcntl
@@ -87,9 +88,8 @@ def _sha256(path: Path) -> str:
 
 def _write_error(what: str, e: Exception) -> UsageError:
     """A failed write (disk full, read-only, ...) as the one-line error of the command line."""
-    reason = getattr(e, "strerror", None) or str(e).strip().splitlines()[0]
     return UsageError(
-        f"could not write {what}: {reason} (free some space or fix the permissions, then "
+        f"could not write {what}: {reason(e)} (free some space or fix the permissions, then "
         "continue with --resume)"
     )
 
@@ -280,24 +280,56 @@ def save_checkpoint(
     return final
 
 
+def _check_location(path: Path) -> None:
+    """Refuse a checkpoint folder that is a link, or that lies outside ``RUN/checkpoints``."""
+    refused = f"checkpoint {str(path)!r} is refused"
+    if path.is_symlink():
+        raise UsageError(
+            f"{refused}: it is a symbolic link (to {os.readlink(path)!r}), and a checkpoint must "
+            "be a folder of its own run; remove the link"
+        )
+    inside = path.parent.parent.resolve() / path.parent.name
+    if path.resolve().parent != inside:
+        raise UsageError(
+            f"{refused}: it resolves to {str(path.resolve())!r}, and a checkpoint must lie inside "
+            f"its run's {str(inside)!r}; remove the link on the way"
+        )
+
+
 def verify_checkpoint(path: str | Path) -> dict[str, Any]:
     """Check a checkpoint folder against its manifest; return the manifest.
 
     Raises:
-        UsageError: a file is missing, has the wrong size or the wrong sha256, or the checkpoint
-            has a pickled training state (an older aftlab's ``train_state.pt``, never loaded).
+        UsageError: the folder or one of its files is a symbolic link, or the folder lies
+            outside its run's ``checkpoints/``; the manifest's step is not the folder's
+            ``step_N``; a file is missing, has the wrong size or the wrong sha256, or the
+            checkpoint has a pickled training state (an older aftlab's ``train_state.pt``,
+            never loaded).
     """
     path = Path(path)
     what = "delete this checkpoint folder to fall back to the previous one, or retrain"
+    _check_location(path)
+    for fname in (MANIFEST_FILE, *FILES):
+        if (path / fname).is_symlink():
+            raise UsageError(
+                f"checkpoint {str(path)!r} is refused: its {fname} is a symbolic link, and a "
+                f"checkpoint's files must be its own ({what})"
+            )
     try:
         manifest = json.loads((path / MANIFEST_FILE).read_text(encoding="utf-8"))
         files, step = manifest["files"], manifest["step"]
         if not (isinstance(files, dict) and isinstance(step, int)):
             raise TypeError
-    except (OSError, ValueError, KeyError, TypeError):
+    except (*READ_ERRORS, KeyError, TypeError):
         raise UsageError(
             f"checkpoint {str(path)!r} has no readable {MANIFEST_FILE} ({what})"
         ) from None
+    named = _STEP_RE.match(path.name)
+    if named and int(named.group(1)) != step:
+        raise UsageError(
+            f"checkpoint {str(path)!r} is refused: its {MANIFEST_FILE} says step {step}, and a "
+            f"checkpoint's step must match its folder's name (renamed or copied in?; {what})"
+        )
     if LEGACY_STATE in files or (path / LEGACY_STATE).exists():
         raise UsageError(
             f"checkpoint {str(path)!r} has a pickled training state ({LEGACY_STATE}, written by an "
@@ -321,9 +353,9 @@ def read_checkpoint_config(path: str | Path) -> dict[str, Any]:
     verify_checkpoint(path)
     try:
         return json.loads((Path(path) / CONFIG_FILE).read_text(encoding="utf-8"))
-    except ValueError as e:
+    except READ_ERRORS as e:
         raise UsageError(
-            f"checkpoint {str(path)!r} has an unreadable {CONFIG_FILE} ({e})"
+            f"checkpoint {str(path)!r} has an unreadable {CONFIG_FILE} ({reason(e)})"
         ) from None
 
 
@@ -336,6 +368,9 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Verify a checkpoint, load its weights into ``model`` and return its training state.
 
+    A floating-point weight of any precision is cast to the model's dtype; any other dtype
+    (integer, bool, complex) must be the model's own (:func:`aftlab._checks.check_state_dtypes`).
+
     Args:
         path: the checkpoint folder.
         model: receives the weights.
@@ -344,21 +379,33 @@ def load_checkpoint(
             manifest; evaluation, sampling and plotting never read the training state).
 
     Raises:
-        UsageError: damaged checkpoint, weights that do not fit ``model`` (config mismatch), or
-            an unreadable training state.
+        UsageError: damaged checkpoint, weights of a dtype or shape that do not fit ``model``
+            (config mismatch), or an unreadable training state.
     """
     path = Path(path)
     manifest = verify_checkpoint(path)
     try:
-        missing, unexpected = load_model(
-            model, str(path / MODEL_FILE), strict=False, device=str(map_location)
-        )
-    except (RuntimeError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        weights = load_file(str(path / MODEL_FILE), device=str(map_location))
+    except READ_ERRORS as e:
         raise UsageError(
-            f"checkpoint {str(path)!r} does not match the model built from the config ({first}); "
-            "use the config the run was trained with"
+            f"checkpoint {str(path)!r} has an unreadable {MODEL_FILE} ({reason(e)}); delete this "
+            "checkpoint folder to fall back to the previous one"
         ) from None
+    try:
+        dtypes = {k: v.dtype for k, v in weights.items()}
+        check_state_dtypes(f"checkpoint {str(path)!r}: {MODEL_FILE}", dtypes, model)
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+    except DTypeError as e:
+        raise UsageError(str(e)) from None
+    except (RuntimeError, ValueError) as e:
+        raise UsageError(
+            f"checkpoint {str(path)!r} does not match the model built from the config "
+            f"({reason(e)}); use the config the run was trained with"
+        ) from None
+    # a tied weight (the head sharing the embedding) is stored once, under one of its names
+    own = model.state_dict()
+    loaded = {own[k].data_ptr() for k in weights if k in own and own[k].numel()}
+    missing = [k for k in missing if own[k].data_ptr() not in loaded]
     if missing or unexpected:
         raise UsageError(
             f"checkpoint {str(path)!r} does not match the model built from the config "

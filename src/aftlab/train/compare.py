@@ -43,7 +43,7 @@ from ..mixers import available_mixers, get_mixer_class
 from .build import build_model, build_task, model_config_for, task_info
 from .checkpoint import atomic_write_text
 from .config import TrainConfig, parse_override, to_toml
-from .errors import UsageError
+from .errors import READ_ERRORS, UsageError, reason
 from .plot import plot_loss_curves, plot_throughput
 
 __all__ = [
@@ -268,6 +268,17 @@ def format_csv(rows: list[dict[str, Any]]) -> str:
     return buf.getvalue()
 
 
+def _read_json(path: Path) -> Any:
+    """A JSON file an earlier compare wrote; a damaged one is a one-line error naming it."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except READ_ERRORS as e:
+        raise UsageError(
+            f"{str(path)!r} is unreadable ({reason(e)}); delete it and rerun the same compare "
+            "command to compute it again"
+        ) from None
+
+
 def _train_one(config: TrainConfig, run_dir: Path) -> dict[str, Any] | None:
     """Train ``config`` into ``run_dir`` in a child process; its summary, None if it diverged.
 
@@ -275,7 +286,7 @@ def _train_one(config: TrainConfig, run_dir: Path) -> dict[str, Any] | None:
     """
     summary_path, diverged_path = run_dir / "summary.json", run_dir / "compare-diverged.json"
     if summary_path.is_file():  # finished in an earlier invocation
-        return json.loads(summary_path.read_text(encoding="utf-8"))
+        return _read_json(summary_path)
     if diverged_path.is_file():
         return None
     cfg_path = run_dir.parent / f"{run_dir.name}.toml"
@@ -300,7 +311,7 @@ def _train_one(config: TrainConfig, run_dir: Path) -> dict[str, Any] | None:
             f"training {config.mixer} failed (exit status {proc.returncode}); see its output "
             f"above and {run_dir}; rerun the same compare command to continue"
         )
-    return json.loads(summary_path.read_text(encoding="utf-8"))
+    return _read_json(summary_path)
 
 
 def _validate(config: TrainConfig, run_dir: Path) -> dict[str, float]:
@@ -311,7 +322,7 @@ def _validate(config: TrainConfig, run_dir: Path) -> dict[str, float]:
     """
     path = run_dir / "val.json"
     if path.is_file():
-        return json.loads(path.read_text(encoding="utf-8"))
+        return _read_json(path)
     from .run import load_run
     from .trainer import evaluate, resolve_device
 
@@ -583,7 +594,7 @@ def sample_best(
     from .sampling import sample_text
     from .trainer import resolve_device
 
-    results = json.loads((Path(out_dir) / "results.json").read_text(encoding="utf-8"))
+    results = _read_json(Path(out_dir) / "results.json")
     best = results.get("best")
     if best is None:
         raise UsageError(f"no model in {str(out_dir)!r} has a finite test metric to sample from")

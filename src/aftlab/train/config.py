@@ -45,7 +45,7 @@ from typing import Any
 
 from .._checks import did_you_mean
 from ..models.config import TransformerConfig
-from .errors import UsageError
+from .errors import READ_ERRORS, UsageError, reason
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -61,6 +61,8 @@ __all__ = [
     "to_toml",
     "RESUMABLE_CHANGES",
     "resume_conflicts",
+    "STORED_KEYS",
+    "check_stored",
 ]
 
 #: Model fields a config file writes at the top level: file key -> TransformerConfig field.
@@ -406,6 +408,31 @@ RESUMABLE_CHANGES = (
 )
 
 
+#: The keys a run's stored config (its ``config.toml``, a checkpoint's ``config.json``) must
+#: hold: those that change what is learned. aftlab writes every key, so a missing one means a
+#: damaged or edited file, which is refused rather than read with today's default.
+STORED_KEYS = tuple(
+    key
+    for f in dataclasses.fields(TrainConfig)
+    if f.name not in RESUMABLE_CHANGES
+    for key in ((*_ON_TOP, "model") if f.name == "model" else (f.name,))
+)
+
+
+def check_stored(data: Any, where: str) -> None:
+    """Refuse a run's stored config ``data`` (named ``where``) that lacks a :data:`STORED_KEYS`.
+
+    Raises:
+        UsageError: naming ``where`` and the missing keys.
+    """
+    missing = [key for key in STORED_KEYS if isinstance(data, dict) and key not in data]
+    if missing:
+        raise UsageError(
+            f"{where} has no {', '.join(map(repr, missing))}: aftlab writes every setting there, "
+            "so the file is damaged or was edited; restore it, or train into a new --out"
+        )
+
+
 def resume_conflicts(saved: dict[str, Any], config: TrainConfig) -> list[str]:
     """The settings of ``config`` that differ from a checkpoint's ``saved`` train config.
 
@@ -486,6 +513,7 @@ def load_config(
     overrides: list[str] | None = None,
     *,
     values: dict[str, Any] | None = None,
+    stored: bool = False,
 ) -> TrainConfig:
     """Read a TOML (or JSON) config file, apply ``values`` and ``--set`` overrides, validate.
 
@@ -494,6 +522,8 @@ def load_config(
         overrides: ``key=value`` strings (see :func:`parse_override`).
         values: top-level settings as they are (the CLI's ``--mixer``, ``--steps``, ...),
             applied before ``overrides``.
+        stored: ``path`` is a run's own ``config.toml``: each of :data:`STORED_KEYS` must be
+            in it (:func:`check_stored`).
 
     Raises:
         UsageError: missing or malformed file, unknown key, invalid value.
@@ -503,14 +533,16 @@ def load_config(
         p = Path(path)
         if not p.is_file():
             raise UsageError(f"config file {str(p)!r} does not exist (check the --config path)")
-        text = p.read_text(encoding="utf-8")
         try:
+            text = p.read_text(encoding="utf-8")
             data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
-        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        except READ_ERRORS as e:
             raise UsageError(
                 f"config file {str(p)!r} is not valid {'JSON' if p.suffix == '.json' else 'TOML'}: "
-                f"{e}"
+                f"{reason(e)}"
             ) from None
+        if stored:
+            check_stored(data, f"config file {str(p)!r}")
     return TrainConfig.from_dict(apply_overrides(data, overrides or [], values=values))
 
 

@@ -41,18 +41,20 @@ def pyplot():
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """The records of a ``metrics.jsonl`` (a last line cut short by a kill is skipped)."""
+    """The records of a ``metrics.jsonl`` (a line cut short by a kill, or damaged, is skipped)."""
     path = Path(path)
     if not path.is_file():
         raise UsageError(
             f"{str(path)!r} does not exist (is this a run folder written by aftlab train?)"
         )
     out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
-            out.append(json.loads(line))
-        except ValueError:
+            record = json.loads(line)
+        except (ValueError, RecursionError):
             continue
+        if isinstance(record, dict):
+            out.append(record)
     return out
 
 

@@ -12,10 +12,10 @@ from torch import nn
 from ..models.config import TransformerConfig
 from .build import build_model, build_task
 from .checkpoint import latest_checkpoint, load_checkpoint, read_checkpoint_config
-from .config import TrainConfig
+from .config import TrainConfig, check_stored
 from .errors import UsageError
 
-__all__ = ["LoadedRun", "load_run", "check_run_dir"]
+__all__ = ["LoadedRun", "load_run", "check_run_dir", "read_run_config"]
 
 
 @dataclass
@@ -46,6 +46,30 @@ def check_run_dir(run_dir: str | Path) -> Path:
     return ckpt
 
 
+def read_run_config(ckpt: Path) -> tuple[TrainConfig, TransformerConfig, dict[str, Any]]:
+    """The train config, model config and task info of a checkpoint's ``config.json``.
+
+    The one check of a stored config, for evaluation and ``train --resume`` alike: the
+    ``train``, ``model`` and ``task`` sections, every setting that changes what is learned
+    (:func:`~aftlab.train.config.check_stored`), no unknown key or field.
+
+    Raises:
+        UsageError: a damaged checkpoint, or a config.json that fails one of these checks.
+    """
+    saved = read_checkpoint_config(ckpt)
+    unreadable = f"checkpoint {str(ckpt)!r} has an unreadable config.json"
+    for section in ("train", "model", "task"):
+        if not isinstance(saved, dict) or not isinstance(saved.get(section), dict):
+            raise UsageError(f"{unreadable} (no {section!r} section)")
+    check_stored(saved["train"], f"the config.json of checkpoint {str(ckpt)!r}")
+    try:
+        config = TrainConfig.from_dict(saved["train"])
+        model_config = TransformerConfig.from_dict(saved["model"])
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"{unreadable} ({e})") from None
+    return config, model_config, saved["task"]
+
+
 def load_run(
     run_dir: str | Path,
     *,
@@ -66,13 +90,7 @@ def load_run(
         UsageError: no such run, no checkpoint, damaged checkpoint, weights not matching the config.
     """
     ckpt = check_run_dir(run_dir)
-    saved = read_checkpoint_config(ckpt)
-    try:
-        config = TrainConfig.from_dict(saved["train"])
-        model_config = TransformerConfig.from_dict(saved["model"])
-        info = saved["task"]
-    except (KeyError, TypeError, ValueError) as e:
-        raise UsageError(f"checkpoint {str(ckpt)!r} has an unreadable config.json ({e})") from None
+    config, model_config, info = read_run_config(ckpt)
     if data is not None:
         config = config.replace(data=data)
     task = build_task(config) if load_task else None

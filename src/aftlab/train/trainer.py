@@ -47,7 +47,6 @@ from .checkpoint import (
     atomic_write_text,
     latest_checkpoint,
     load_checkpoint,
-    read_checkpoint_config,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -64,6 +63,7 @@ from .distributed import (
 from .errors import UsageError
 from .optim import build_optimizer, lr_at
 from .progress import Progress, format_duration
+from .run import read_run_config
 from .tensorboard import TensorBoardLog, check_tensorboard
 
 __all__ = [
@@ -281,11 +281,9 @@ class Trainer:
 
     def _check_resume(self, ckpt: Path) -> None:
         """Refuse to resume from ``ckpt`` with settings that change what is learned."""
-        saved = read_checkpoint_config(ckpt)
+        saved = read_run_config(ckpt)[0]  # the checks of aftlab eval
         step = int(ckpt.name.removeprefix("step_"))
-        if not isinstance(saved.get("train"), dict):
-            raise UsageError(f"checkpoint {str(ckpt)!r} has an unreadable config.json (no train)")
-        conflicts = resume_conflicts(saved["train"], self.config)
+        conflicts = resume_conflicts(saved.to_dict(), self.config)
         if conflicts:
             raise UsageError(
                 f"cannot resume {str(self.run_dir)!r} with a different config: "
@@ -370,12 +368,12 @@ class Trainer:
         if not path.exists():
             return
         keep = []
-        for line in path.read_text(encoding="utf-8").splitlines():
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
             try:
                 if json.loads(line)["step"] <= self.step:
                     keep.append(line)
-            except (ValueError, KeyError, TypeError):
-                continue  # a line cut short by a kill
+            except (ValueError, KeyError, TypeError, RecursionError):
+                continue  # a line cut short by a kill, or damaged
         atomic_write_text(path, "".join(x + "\n" for x in keep))
 
     # ----------------------------------------------------------------- helpers
