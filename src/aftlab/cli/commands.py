@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ..data.base import check_input_path
 from ..train.errors import UsageError
+from ..train.outcome import EXIT_STATUS, reports_outcome, write_outcome
 
 
 def _config_args(p: argparse.ArgumentParser, *, out_help: str) -> None:
@@ -203,6 +204,12 @@ def add_train(sub) -> None:
         help="under torchrun: ddp (default; a full model per process) or fsdp (FSDP2: weights, "
         "gradients and optimizer state sharded over the processes; docs/training.md)",
     )
+    p.add_argument(
+        "--outcome",
+        metavar="FILE",
+        help="also write how the run ended to FILE as JSON (outcome, exit_status, error; "
+        "docs/training.md, 'Exit status'); aftlab compare reads it",
+    )
 
 
 def _default_out(cfg) -> str:
@@ -240,6 +247,7 @@ def resolve_train_config(args: argparse.Namespace):
     return cfg.replace(out=str(out))
 
 
+@reports_outcome
 def cmd_train(args: argparse.Namespace) -> int:
     from ..train.trainer import Trainer
 
@@ -260,7 +268,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     finally:
         distributed = _leave_process_group()
     # diverged: the trainer printed the one line saying where and why
-    rc = 1 if summary.get("diverged") else 130 if summary.get("interrupted") else 0
+    outcome = "diverged" if summary.get("diverged") else "completed"
+    outcome = "interrupted" if summary.get("interrupted") else outcome
+    error = f"training diverged at step {summary.get('step')}" if outcome == "diverged" else None
+    write_outcome(args.outcome, outcome, error)
+    rc = EXIT_STATUS[outcome]
     if distributed:
         # torch 2.13's gloo backend (FSDP2 on CPU) now and then aborts in exit-time destructors
         # ("terminate called without an active exception") after all work is done and the

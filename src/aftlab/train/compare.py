@@ -44,6 +44,7 @@ from .build import build_model, build_task, model_config_for, task_info
 from .checkpoint import atomic_write_text
 from .config import TrainConfig, parse_override, to_toml
 from .errors import READ_ERRORS, UsageError, reason
+from .outcome import outcome_of, read_outcome
 from .plot import plot_loss_curves, plot_throughput
 
 __all__ = [
@@ -277,41 +278,90 @@ def _read_json(path: Path) -> Any:
             f"{str(path)!r} is unreadable ({reason(e)}); delete it and rerun the same compare "
             "command to compute it again"
         ) from None
+_FAILED = {
+    "crashed": "crashed",
+    "out_of_memory": "ran out of memory",
+    "disk_full": "ran out of disk space",
+    "usage_error": "stopped with an error",
+}
 
 
 def _train_one(config: TrainConfig, run_dir: Path) -> dict[str, Any] | None:
     """Train ``config`` into ``run_dir`` in a child process; its summary, None if it diverged.
 
-    A finished run (``summary.json``) is read back, an interrupted one resumed.
+    A finished run (``summary.json``) is read back, a diverged one (``compare-diverged.json``)
+    skipped, an interrupted or failed one resumed. The child's outcome is its exit status and
+    its ``--outcome`` record (:mod:`aftlab.train.outcome`); only a divergence is recorded.
+
+    Raises:
+        UsageError: the run crashed, ran out of memory or disk space, or stopped with an error:
+            one line with its cause.
+        KeyboardInterrupt: the run, or this process, was interrupted.
     """
     summary_path, diverged_path = run_dir / "summary.json", run_dir / "compare-diverged.json"
     if summary_path.is_file():  # finished in an earlier invocation
         return _read_json(summary_path)
-    if diverged_path.is_file():
+    if (read_outcome(diverged_path) or {}).get("outcome") == "diverged":
         return None
     cfg_path = run_dir.parent / f"{run_dir.name}.toml"
+    record_path = run_dir.parent / f"{run_dir.name}.outcome.json"
     cfg_path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(cfg_path, to_toml(config.replace(out=str(run_dir))))
+    record_path.unlink(missing_ok=True)  # a record of an earlier attempt
     cmd = [sys.executable, "-m", "aftlab", "train", "--config", str(cfg_path)]
+    cmd += ["--outcome", str(record_path)]
     if (run_dir / "config.toml").is_file():
         cmd.append("--resume")
-    print(
-        f"aftlab compare: training {config.mixer} (lr {config.lr:g}, seed {config.seed}) "
-        f"-> {run_dir}",
-        file=sys.stderr,
-        flush=True,
-    )
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
-    sys.stderr.write(proc.stdout)
-    if proc.returncode == 1 and run_dir.is_dir():  # `aftlab train`'s status for a divergence
-        atomic_write_text(diverged_path, dumps({"diverged": True, "lr": config.lr}))
-        return None
-    if proc.returncode != 0 or not summary_path.is_file():
-        raise UsageError(
-            f"training {config.mixer} failed (exit status {proc.returncode}); see its output "
-            f"above and {run_dir}; rerun the same compare command to continue"
+    what = f"{config.mixer} (lr {config.lr:g}, seed {config.seed})"
+    print(f"aftlab compare: training {what} -> {run_dir}", file=sys.stderr, flush=True)
+    status, stopped = _run_child(cmd)
+    outcome, cause = outcome_of(status, read_outcome(record_path))
+    if outcome == "completed" and not summary_path.is_file():
+        outcome, cause = "crashed", f"it ended with status 0 but wrote no {summary_path}"
+    if outcome == "diverged":
+        atomic_write_text(
+            diverged_path,
+            dumps({"outcome": "diverged", "lr": config.lr, "seed": config.seed, "error": cause}),
         )
+    if stopped or outcome == "interrupted":
+        print(
+            f"aftlab compare: interrupted while training {what}"
+            f"{f' ({cause})' if cause else ''}; rerun the same compare command to continue "
+            f"(finished runs are kept, an unfinished one resumes from its newest checkpoint in "
+            f"{run_dir})",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise KeyboardInterrupt
+    if outcome in _FAILED:
+        raise UsageError(
+            f"training {what} {_FAILED[outcome]}: {cause or status} (output above, record "
+            f"{record_path}); not a divergence: once fixed, rerun the same compare command to "
+            "retry it (finished runs are kept)"
+        )
+    if outcome == "diverged":
+        return None
     return _read_json(summary_path)
+
+
+def _run_child(cmd: list[str]) -> tuple[int, bool]:
+    """Run ``cmd``, its stdout passed on to stderr: its exit status, and whether Ctrl-C came.
+
+    Ctrl-C reaches the child too (one process group), which saves a checkpoint and exits
+    (a second Ctrl-C aborts it at once); this process waits for it rather than killing it.
+    """
+    stopped = False
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as proc:
+        while True:
+            try:
+                for line in proc.stdout:
+                    sys.stderr.write(line)
+                proc.wait()
+                break
+            except KeyboardInterrupt:
+                stopped = True
+    sys.stderr.flush()
+    return proc.returncode, stopped
 
 
 def _validate(config: TrainConfig, run_dir: Path) -> dict[str, float]:
@@ -375,14 +425,16 @@ def run_compare(
     (:func:`~aftlab.train.plot.plot_throughput`). ``results.json``'s ``best`` names the
     model with the best test metric (its run folder, metric and value). An existing ``out_dir`` is
     continued: finished runs are read back, interrupted ones resumed. A run that diverges
-    (``aftlab train`` exit status 1) removes its rate from the choice.
+    (``aftlab train`` exit status 3) removes its rate from the choice and is recorded; any
+    other failure stops the comparison (:func:`_train_one`), recorded nowhere.
 
     Returns:
         The Markdown table.
 
     Raises:
         UsageError: an unknown mixer or bad entry, ``seeds < 1``, a bad rate, a bad ``sample``,
-            a mixer that diverged at every rate, a failed run.
+            a mixer that diverged at every rate, a failed run (its cause).
+        KeyboardInterrupt: a run, or this process, was interrupted.
     """
     if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
         raise UsageError(f"--seeds must be a positive integer, got {seeds!r}")
