@@ -236,9 +236,15 @@ def resolve_train_config(args: argparse.Namespace):
         raise UsageError("--resume needs the run folder: aftlab train --resume --out RUN_DIR")
     saved_path = Path(out) / "config.toml"
     if not saved_path.is_file():
-        raise UsageError(
-            f"nothing to resume in {out!r}: it has no config.toml (start it without --resume)"
-        )
+        from ..train.checkpoint import LOCK_FILE, lock_holder, run_started
+
+        why = "it has no config.toml"
+        if os.path.lexists(Path(out) / LOCK_FILE) and not run_started(out):
+            why = (
+                f"it holds only the lock (and temporary files) of a run that never began, by "
+                f"process {lock_holder(out)}"
+            )
+        raise UsageError(f"nothing to resume in {out!r}: {why} (start it without --resume)")
     saved = load_config(saved_path, stored=True)
     if args.config is not None:
         cfg = load_config(args.config, overrides, values=flags)
@@ -258,12 +264,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = cfg.replace(out=_default_out(cfg))
     run_dir = check_out_dir(cfg.out)
     check_device(cfg.device, arg="--set device")
-    if not args.resume and run_dir.exists() and any(run_dir.iterdir()):
-        raise UsageError(
-            f"run folder {str(run_dir)!r} already exists; continue it with --resume, or choose "
-            "another --out"
-        )
-    try:
+    try:  # without --resume, the Trainer refuses a run folder that holds a run
         summary = Trainer(cfg, run_dir=run_dir, resume=args.resume).fit()
     finally:
         distributed = _leave_process_group()

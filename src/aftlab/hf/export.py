@@ -60,6 +60,9 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=parent))
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # as mkdir makes a folder (mkdtemp's is 0700)
         model.save_pretrained(tmp)
         if out.exists():
             out.rmdir()  # empty, checked above

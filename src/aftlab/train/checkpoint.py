@@ -23,12 +23,17 @@ checkpoints beyond the last ``keep_last`` are renamed away, then deleted.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
 import random
 import re
 import shutil
+import socket
+import stat
+import time
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +61,11 @@ __all__ = [
     "rng_state",
     "set_rng_state",
     "atomic_write_text",
+    "atomic_write_bytes",
+    "open_run_file",
+    "run_subdir",
+    "run_started",
+    "lock_holder",
     "RunLock",
 ]
 
@@ -68,6 +78,7 @@ MANIFEST_FILE = "manifest.json"
 FILES = (MODEL_FILE, CONFIG_FILE, STATE_TENSORS, STATE_JSON)
 LEGACY_STATE = "train_state.pt"  # a pickle, written by older versions: refused, never loaded
 LOCK_FILE = ".lock"
+_STARTED = time.strftime("%Y-%m-%d %H:%M:%S")  # when this process loaded aftlab (its lock says)
 
 
 def _fsync_path(path: Path) -> None:
@@ -86,33 +97,117 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _write_error(what: str, e: Exception) -> UsageError:
+def _write_error(what: str, e: Exception, retry: str = "continue with --resume") -> UsageError:
     """A failed write (disk full, read-only, ...) as the one-line error of the command line."""
     return UsageError(
         f"could not write {what}: {reason(e)} (free some space or fix the permissions, then "
-        "continue with --resume)"
+        f"{retry})"
     )
 
 
-def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically: temporary file, fsync, ``os.replace``.
+def _what_is(path: Path) -> str:
+    """What stands at ``path``, for an error: a symbolic link (and to what), a folder, ..."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        return f"a symbolic link to {os.readlink(path)!r}"
+    if stat.S_ISREG(st.st_mode):
+        return f"a file with {st.st_nlink} hard links"
+    if stat.S_ISDIR(st.st_mode):
+        return "a folder"
+    return "a named pipe" if stat.S_ISFIFO(st.st_mode) else "a socket or device"
+
+
+def _not_ours(path: Path, expected: str) -> UsageError:
+    return UsageError(
+        f"{str(path)!r} is {_what_is(path)}, not {expected}: aftlab writes into a run folder's "
+        "own files only, never through a link or into a special file (remove it, or choose "
+        "another --out)"
+    )
+
+
+def open_run_file(path: str | Path, flags: int) -> int:
+    """``os.open(path, flags)`` for a file of a run folder, never through a link.
+
+    Refused: a symbolic link, anything but a regular file, and (opened for writing) a file with
+    another hard link; so a name planted in a run folder never redirects a write.
+
+    Raises:
+        UsageError: ``path`` is one of those (named, with what it is).
+        OSError: the open itself failed (e.g. disk full, read-only).
+    """
+    path = Path(path)
+    writes = bool(flags & (os.O_WRONLY | os.O_RDWR))
+
+    def ours(st: os.stat_result) -> bool:
+        return stat.S_ISREG(st.st_mode) and not (writes and st.st_nlink > 1)
+
+    if os.path.lexists(path) and not ours(os.lstat(path)):  # a pipe or device stays unopened
+        raise _not_ours(path, "a regular file")
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO) and os.path.lexists(path):
+            raise _not_ours(path, "a regular file") from None  # planted since the check
+        raise
+    if not ours(os.fstat(fd)):
+        os.close(fd)
+        raise _not_ours(path, "a regular file")
+    return fd
+
+
+def run_subdir(path: str | Path) -> Path:
+    """The folder ``path`` of a run folder (``checkpoints``, ``tb``, ``plots``), created if absent.
+
+    Raises:
+        UsageError: ``path`` is a symbolic link or not a folder.
+        OSError: it cannot be created (e.g. read-only).
+    """
+    path = Path(path)
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            raise _not_ours(path, "a folder") from None
+    return path
+
+
+def atomic_write_bytes(
+    path: str | Path, data: bytes, *, retry: str = "continue with --resume"
+) -> None:
+    """Write ``data`` to ``path`` atomically: new temporary file, fsync, ``os.replace``.
+
+    The temporary file is created anew (``O_EXCL``), so nothing planted at its name (a link) is
+    written through; ``os.replace`` replaces a link at ``path`` rather than following it.
 
     Raises:
         UsageError: the write failed (e.g. disk full); the temporary file is removed and
-            ``path`` is left as it was.
+            ``path`` is left as it was. ``retry`` ends the message (what to do after).
     """
     path = Path(path)
     tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
+        tmp.unlink(missing_ok=True)  # an earlier process's, with this pid (or a planted link)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
         _fsync_path(path.parent)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise _write_error(str(path), e) from None
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise _write_error(str(path), e, retry) from None
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically (:func:`atomic_write_bytes`).
+
+    Raises:
+        UsageError: the write failed (e.g. disk full); the temporary file is removed and
+            ``path`` is left as it was.
+    """
+    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def rng_state() -> dict[str, Any]:
@@ -243,7 +338,8 @@ def save_checkpoint(
         _split_tensors(train_state, tensors, "state"), allow_nan=False, indent=1, sort_keys=True
     )
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        root.parent.mkdir(parents=True, exist_ok=True)
+        run_subdir(root)  # never a link
         tmp.mkdir()
         meta = {"format": "pt", "step": str(step)}
         if isinstance(model, nn.Module):
@@ -425,19 +521,59 @@ def load_checkpoint(
         ) from None
 
 
+def run_started(run_dir: str | Path) -> bool:
+    """Whether ``run_dir`` holds a run: anything but nothing, or its lock and ``.tmp-*`` debris.
+
+    A run killed between taking the lock and writing ``config.toml`` leaves only those; its
+    folder is a new run (the debris is removed under the lock).
+    """
+    d = Path(run_dir)
+    if not d.exists():
+        return False
+    if not d.is_dir():
+        return True
+    names = [p.name for p in d.iterdir()]
+    debris = all(n == LOCK_FILE or n.startswith(".tmp-") for n in names)
+    return not (debris and (not names or LOCK_FILE in names))
+
+
+def _holder(raw: bytes) -> str:
+    """Who a lock file names: ``(pid 1234) on host 'h', started 2026-01-01 12:00:00``."""
+    text = raw.decode("utf-8", "replace").strip()
+    try:
+        info = json.loads(text)
+        return f"(pid {int(info['pid'])}) on host {info['host']!r}, started {info['started']}"
+    except (ValueError, KeyError, TypeError, RecursionError):
+        return f"(pid {text})" if text.isdigit() else "(unknown pid)"  # an older aftlab's: a pid
+
+
+def lock_holder(run_dir: str | Path) -> str:
+    """The process ``run_dir``'s lock file names (its last holder), as :func:`_holder` says it."""
+    try:
+        fd = open_run_file(Path(run_dir) / LOCK_FILE, os.O_RDONLY)
+    except (OSError, UsageError):
+        return "(unknown pid)"
+    try:
+        return _holder(os.pread(fd, 512, 0))
+    finally:
+        os.close(fd)
+
+
 class RunLock:
     """An exclusive lock on a run folder: one training process writes into it at a time.
 
     ``flock`` on ``RUN/.lock`` (non-blocking); the kernel releases it when the process ends,
-    however it ends, so a lock never outlives its holder. While it is held, every ``.tmp-*`` in
-    the run folder and its ``checkpoints/`` is debris of an earlier, dead process
+    however it ends, so a lock never outlives its holder. The file names its holder (pid, host,
+    start time) and is never a link (:func:`open_run_file`). While it is held, every ``.tmp-*``
+    in the run folder and its ``checkpoints/`` is debris of an earlier, dead process
     (:meth:`remove_stale_temporaries`).
 
     Args:
         run_dir: the run folder (created if absent).
 
     Raises:
-        UsageError: another process holds the lock, or the folder cannot be created.
+        UsageError: another process holds the lock, ``.lock`` is a link or not a regular file,
+            or the folder cannot be created.
     """
 
     def __init__(self, run_dir: str | Path) -> None:
@@ -451,7 +587,7 @@ class RunLock:
                 self._created = True
             except FileExistsError:
                 pass
-            self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            self._fd = open_run_file(path, os.O_RDWR | os.O_CREAT)
         except OSError as e:
             raise UsageError(
                 f"cannot use run folder {str(self.run_dir)!r}: {e.strerror or e}"
@@ -460,13 +596,12 @@ class RunLock:
             try:
                 fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = os.pread(self._fd, 32, 0).decode("ascii", "replace").strip()
+                holder = _holder(os.pread(self._fd, 512, 0))
                 self._created = False  # the holder's folder now: touch nothing
                 self.release()
                 raise UsageError(
-                    f"run folder {str(self.run_dir)!r} is in use: another process "
-                    f"({'pid ' + holder if holder else 'unknown pid'}) is training into it; "
-                    "wait for it to finish, or choose another --out"
+                    f"run folder {str(self.run_dir)!r} is in use: another process {holder} is "
+                    "training into it; wait for it to finish, or choose another --out"
                 ) from None
             except OSError as e:  # e.g. a network filesystem without flock
                 self._created = False
@@ -475,13 +610,22 @@ class RunLock:
                     f"cannot lock run folder {str(self.run_dir)!r}: {e.strerror or e} (use a "
                     "local filesystem for --out)"
                 ) from None
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "started": _STARTED}
         os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, str(os.getpid()).encode(), 0)
+        os.pwrite(self._fd, dumps(me).encode(), 0)
+
+    def intact(self) -> bool:
+        """Whether the lock file held is still ``RUN/.lock`` (not deleted, nor moved with RUN)."""
+        try:
+            held, here = os.fstat(self._fd), os.lstat(self.run_dir / LOCK_FILE)
+        except (OSError, TypeError):
+            return False
+        return held.st_nlink > 0 and (held.st_dev, held.st_ino) == (here.st_dev, here.st_ino)
 
     def remove_stale_temporaries(self) -> None:
         """Delete the ``.tmp-*`` files and folders a killed writer left (safe under the lock)."""
         for stale in [*self.run_dir.glob(".tmp-*"), *self.run_dir.glob("checkpoints/.tmp-*")]:
-            if stale.is_dir():
+            if stale.is_dir() and not stale.is_symlink():
                 shutil.rmtree(stale, ignore_errors=True)
             else:
                 stale.unlink(missing_ok=True)
@@ -494,7 +638,11 @@ class RunLock:
         """
         if self._fd is None:
             return
-        if self._created and [p.name for p in self.run_dir.iterdir()] == [LOCK_FILE]:
+        if (
+            self._created
+            and self.intact()
+            and [p.name for p in self.run_dir.iterdir()] == [LOCK_FILE]
+        ):
             (self.run_dir / LOCK_FILE).unlink()
             self.run_dir.rmdir()
         os.close(self._fd)

@@ -6,6 +6,7 @@ raises :class:`UsageError` with that instruction.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .checkpoint import _write_error, atomic_write_bytes, run_subdir
 from .errors import UsageError
 
 __all__ = [
@@ -56,6 +58,18 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
         if isinstance(record, dict):
             out.append(record)
     return out
+
+
+_RETRY = "run the command again"
+
+
+def _save_png(plt, fig, out_png: str | Path) -> Path:
+    """Write ``fig`` to ``out_png`` atomically (a link there is replaced, not written through)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    atomic_write_bytes(out_png, buf.getvalue(), retry=_RETRY)
+    return Path(out_png)
 
 
 def _ema(values: list[float], alpha: float = 0.1) -> list[float]:
@@ -102,10 +116,7 @@ def plot_loss_curves(runs: dict[str, str | Path], out_png: str | Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    out_png = Path(out_png)
-    fig.savefig(out_png, dpi=110)
-    plt.close(fig)
-    return out_png
+    return _save_png(plt, fig, out_png)
 
 
 def plot_throughput(rows: list[dict[str, Any]], out_png: str | Path, *, device: str) -> Path:
@@ -131,10 +142,7 @@ def plot_throughput(rows: list[dict[str, Any]], out_png: str | Path, *, device: 
     for ax in (speed, memory):
         ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
-    out_png = Path(out_png)
-    fig.savefig(out_png, dpi=110)
-    plt.close(fig)
-    return out_png
+    return _save_png(plt, fig, out_png)
 
 
 @torch.no_grad()
@@ -197,9 +205,7 @@ def _heatmaps(plt, items: list[tuple[str, torch.Tensor]], out_png: Path, title: 
         fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(out_png, dpi=110)
-    plt.close(fig)
-    return out_png
+    return _save_png(plt, fig, out_png)
 
 
 def plot_run(run_dir: str | Path, *, out_dir: str | Path | None = None) -> list[Path]:
@@ -217,7 +223,13 @@ def plot_run(run_dir: str | Path, *, out_dir: str | Path | None = None) -> list[
     out = Path(out_dir) if out_dir is not None else run_dir / "plots"
     metrics = run_dir / "metrics.jsonl"
     read_metrics(metrics)  # a clear error for a folder that is not a run
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        if out_dir is None:
+            run_subdir(out)  # never a link planted in the run folder
+        else:
+            out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _write_error(repr(str(out)), e, _RETRY) from None
     paths = [plot_loss_curves({run_dir.name: metrics}, out / "loss.png")]
     run = load_run(run_dir, load_task=False)
     biases = position_biases(run.model)

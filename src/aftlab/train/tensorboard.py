@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from .checkpoint import run_subdir
 from .errors import UsageError
 
 __all__ = ["TensorBoardLog", "check_tensorboard", "TB_DIR"]
@@ -48,7 +49,8 @@ class TensorBoardLog:
         from torch.utils.tensorboard import SummaryWriter
 
         self._writer = SummaryWriter(
-            str(Path(run_dir) / TB_DIR), purge_step=resumed_at + 1 if resumed_at else None
+            str(run_subdir(Path(run_dir) / TB_DIR)),  # never a link
+            purge_step=resumed_at + 1 if resumed_at else None,
         )
 
     def write(self, record: dict[str, Any]) -> None:

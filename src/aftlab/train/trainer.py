@@ -44,10 +44,13 @@ from .build import build_model, build_task, model_config_for, task_info
 from .checkpoint import (
     LOCK_FILE,
     RunLock,
+    _write_error,
     atomic_write_text,
     latest_checkpoint,
     load_checkpoint,
+    open_run_file,
     rng_state,
+    run_started,
     save_checkpoint,
     set_rng_state,
 )
@@ -64,7 +67,7 @@ from .errors import UsageError
 from .optim import build_optimizer, lr_at
 from .progress import Progress, format_duration
 from .run import read_run_config
-from .tensorboard import TensorBoardLog, check_tensorboard
+from .tensorboard import TB_DIR, TensorBoardLog, check_tensorboard
 
 __all__ = [
     "Trainer",
@@ -260,8 +263,7 @@ class Trainer:
                 self._check_new_run()
                 self._run_lock = RunLock(self.run_dir)
                 self._check_new_run()  # again: another process may have started in between
-                if self.resume:
-                    self._run_lock.remove_stale_temporaries()
+                self._run_lock.remove_stale_temporaries()
             except UsageError as e:
                 error = e
         failed = torch.tensor(float(error is not None), device=self.device)
@@ -269,11 +271,9 @@ class Trainer:
             raise error or UsageError(f"rank 0 could not lock the run folder {str(self.run_dir)!r}")
 
     def _check_new_run(self) -> None:
-        """Without ``resume``, the run folder must be absent or empty (but for the lock file)."""
+        """Without ``resume``, the run folder must not hold a run (:func:`run_started`)."""
         d = self.run_dir
-        if self.resume or not d.exists():
-            return
-        if not d.is_dir() or any(p.name != LOCK_FILE for p in d.iterdir()):
+        if not self.resume and run_started(d):
             raise UsageError(
                 f"run folder {str(d)!r} already exists; continue it with --resume, or choose "
                 "another --out"
@@ -354,7 +354,7 @@ class Trainer:
             train_model = wrap_model(train_model, parallel="ddp", device=self.device)
         self.train_model = train_model
         if self.dist.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._check_run_dir()
             atomic_write_text(self.run_dir / "config.toml", to_toml(cfg))
             atomic_write_text(
                 self.run_dir / "task.json",
@@ -365,10 +365,12 @@ class Trainer:
     def _trim_metrics(self) -> None:
         """On resume, drop metric lines written after the checkpoint (they will be recomputed)."""
         path = self.run_dir / "metrics.jsonl"
-        if not path.exists():
+        if not os.path.lexists(path):
             return
+        with open(open_run_file(path, os.O_RDONLY), encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
         keep = []
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        for line in lines:
             try:
                 if json.loads(line)["step"] <= self.step:
                     keep.append(line)
@@ -379,16 +381,23 @@ class Trainer:
     # ----------------------------------------------------------------- helpers
     def _log(self, record: dict[str, Any]) -> None:
         if self.dist.is_main:
+            self._check_run_dir()
             try:
                 self._metrics.write(dumps(record) + "\n")
                 self._metrics.flush()
                 if self._tb is not None:
                     self._tb.write(record)
             except OSError as e:
-                raise UsageError(
-                    f"could not write {str(self.run_dir / 'metrics.jsonl')!r}: {e.strerror or e} "
-                    "(free some space, then continue with --resume)"
-                ) from None
+                raise _write_error(repr(str(self.run_dir / "metrics.jsonl")), e) from None
+
+    def _check_run_dir(self) -> None:
+        """Rank 0 stops when its run folder or lock file was deleted or moved (``rm -rf RUN``)."""
+        if self._run_lock is not None and not self._run_lock.intact():
+            raise UsageError(
+                f"run folder {str(self.run_dir)!r} or its {LOCK_FILE} was deleted or moved "
+                f"during training: stopped at step {self.step}, writing nothing more (a moved "
+                "folder continues with aftlab train --resume --out NEW_PLACE)"
+            )
 
     def _all_reduce(self, t: torch.Tensor, op=None) -> torch.Tensor:
         if self.dist.active:
@@ -412,6 +421,7 @@ class Trainer:
         else:
             weights, optim = self.model, self.optimizer.state_dict()
         if self.dist.is_main:
+            self._check_run_dir()
             path = save_checkpoint(
                 self.run_dir,
                 step=self.step,
@@ -550,19 +560,41 @@ class Trainer:
             progress.close()
             for sig, h in handlers.items():
                 signal.signal(sig, h)
-            if self._metrics is not None:
-                self._metrics.close()
-            if self._tb is not None:
-                self._tb.close()
+            self._close_logs(quiet=sys.exc_info()[1] is not None)
         return None
 
     def _open_logs(self) -> None:
         """Rank 0 appends to ``metrics.jsonl`` (and TensorBoard's); the other ranks log nothing."""
-        main = self.dist.is_main
-        path = self.run_dir / "metrics.jsonl"
-        self._metrics = open(path, "a", encoding="utf-8") if main else None
-        tensorboard = main and self.config.log == "tensorboard"
-        self._tb = TensorBoardLog(self.run_dir, resumed_at=self.step) if tensorboard else None
+        self._metrics = self._tb = None
+        if not self.dist.is_main:
+            return
+        where = self.run_dir / "metrics.jsonl"
+        try:
+            fd = open_run_file(where, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+            self._metrics = open(fd, "a", encoding="utf-8")
+            if self.config.log == "tensorboard":
+                where = self.run_dir / TB_DIR
+                self._tb = TensorBoardLog(self.run_dir, resumed_at=self.step)
+        except OSError as e:
+            self._close_logs(quiet=True)
+            raise _write_error(repr(str(where)), e) from None
+        except UsageError:
+            self._close_logs(quiet=True)
+            raise
+
+    def _close_logs(self, *, quiet: bool) -> None:
+        """Close ``metrics.jsonl`` (and TensorBoard's); a failed flush (full disk) is one line,
+        unless ``quiet`` (another error is on its way)."""
+        error = None
+        for log, name in ((self._metrics, "metrics.jsonl"), (self._tb, TB_DIR)):
+            try:
+                if log is not None:
+                    log.close()
+            except OSError as e:
+                error = error or _write_error(repr(str(self.run_dir / name)), e)
+        self._metrics = self._tb = None
+        if error is not None and not quiet:
+            raise error
 
     def _start_progress(self) -> Progress:
         """The progress display, after a first line saying what is trained (or resumed)."""
@@ -656,6 +688,7 @@ class Trainer:
         if self.dist.is_main:
             metric = self.task.metric
             summary.update({"test_loss": test["loss"], "test_" + metric: test[metric]})
+            self._check_run_dir()
             atomic_write_text(self.run_dir / "summary.json", dumps(summary, indent=2))
             print(
                 f"test {metric}: {test[metric]:.4f}  (loss {test['loss']:.4f} nats, "
