@@ -23,7 +23,6 @@ checkpoints beyond the last ``keep_last`` are renamed away, then deleted.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -38,6 +37,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
 
+from .._files import fsync_path as _fsync_path
+from .._files import sha256_file as _sha256
 from .._json import dumps
 from .errors import UsageError
 
@@ -67,22 +68,6 @@ MANIFEST_FILE = "manifest.json"
 FILES = (MODEL_FILE, CONFIG_FILE, STATE_TENSORS, STATE_JSON)
 LEGACY_STATE = "train_state.pt"  # a pickle, written by older versions: refused, never loaded
 LOCK_FILE = ".lock"
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _write_error(what: str, e: Exception) -> UsageError:
