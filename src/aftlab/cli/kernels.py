@@ -14,8 +14,9 @@ def add_kernels(sub) -> None:
         "kernels",
         cmd_kernels,
         help="compile the CPU kernels now and show which implementation each op runs",
-        description="Compile the fused CPU kernels into the cache (if not there yet) and print, "
-        "per op, the implementation that runs on CPU tensors and why. Exit status 0 when "
+        description="Compile the fused CPU kernels into the cache (if not there yet, or if the "
+        "cached library does not match its build record) and print, per op, the "
+        "implementation that runs on CPU tensors and why. Exit status 0 when "
         "the kernels run, 1 when the pure-PyTorch ops run instead.",
     )
     p.add_argument("--verbose", action="store_true", help="show the compiler's output")

@@ -8,7 +8,8 @@ implementation. The kernels run when all of these hold:
 * they are not switched off: ``use_kernels(False)`` (a context manager, or a setter for the
   rest of the process) or the environment variable ``AFTLAB_KERNELS=0`` (read at each call);
 * the tensors are on the CPU (CUDA keeps the PyTorch path);
-* the library compiles (or is already in the cache): a C++ compiler and ninja are present.
+* the library compiles (or is already in the cache): a C++ compiler and ninja are present. A
+  cached library that does not match its build record, or that fails to load, is rebuilt once.
 
 When they cannot run (no compiler, a failed build, ``AFTLAB_KERNELS=0``) the PyTorch ops run,
 with one warning per process. ``status()`` says, per op, which implementation runs and why.
@@ -21,6 +22,7 @@ import os
 import shutil
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -70,15 +72,29 @@ def load(*, verbose: bool = False) -> bool:
         _error = _why_not_buildable()
         if not _error:
             try:
-                lib = _build.build(verbose=verbose)
-                if not hasattr(torch.ops.aftlab, "simple_causal"):
-                    torch.ops.load_library(str(lib))
+                _load_library(_build.build(verbose=verbose), verbose)
                 _ops.register()
             except Exception as e:  # a compiler error, a broken cache entry, ...
-                first = (str(e).strip().splitlines() or [type(e).__name__])[-1]
-                _error = f"the kernels failed to build or load ({first[:300]})"
+                _error = f"the kernels failed to build or load ({_last_line(e)})"
         _loaded = not _error
     return _loaded
+
+
+def _last_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[-1][:300]
+
+
+def _load_library(lib: Path, verbose: bool) -> None:
+    """Load ``lib``; if the loader refuses it, rebuild it once (one line says why) and retry."""
+    if hasattr(torch.ops.aftlab, "simple_causal"):  # loaded already (a build loads its library)
+        return
+    stale = _build.stamp(lib)
+    try:
+        torch.ops.load_library(str(lib))
+    except OSError as e:
+        lib = _build.build(verbose=verbose, failed=f"failed to load ({_last_line(e)})", stale=stale)
+        if not hasattr(torch.ops.aftlab, "simple_causal"):
+            torch.ops.load_library(str(lib))
 
 
 @contextlib.contextmanager

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import os
 import random
@@ -44,6 +43,7 @@ from safetensors.torch import load_file, save_file, save_model
 from torch import nn
 
 from .._checks import DTypeError, check_state_dtypes
+from .._files import fsync_path, sha256_file
 from .._json import dumps
 from .errors import READ_ERRORS, UsageError, reason
 
@@ -79,22 +79,6 @@ FILES = (MODEL_FILE, CONFIG_FILE, STATE_TENSORS, STATE_JSON)
 LEGACY_STATE = "train_state.pt"  # a pickle, written by older versions: refused, never loaded
 LOCK_FILE = ".lock"
 _STARTED = time.strftime("%Y-%m-%d %H:%M:%S")  # when this process loaded aftlab (its lock says)
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _write_error(what: str, e: Exception, retry: str = "continue with --resume") -> UsageError:
@@ -193,7 +177,7 @@ def atomic_write_bytes(
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        _fsync_path(path.parent)
+        fsync_path(path.parent)
     except OSError as e:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
@@ -351,20 +335,21 @@ def save_checkpoint(
         (tmp / STATE_JSON).write_text(state_json, encoding="utf-8")
         files = {}
         for fname in FILES:
-            _fsync_path(tmp / fname)
-            files[fname] = {"sha256": _sha256(tmp / fname), "bytes": (tmp / fname).stat().st_size}
+            fsync_path(tmp / fname)
+            size = (tmp / fname).stat().st_size
+            files[fname] = {"sha256": sha256_file(tmp / fname), "bytes": size}
         with open(tmp / MANIFEST_FILE, "w", encoding="utf-8") as f:
             f.write(dumps({"step": step, "files": files}, indent=2, sort_keys=True))
             f.flush()
             os.fsync(f.fileno())
-        _fsync_path(tmp)
+        fsync_path(tmp)
         final = root / name
         if final.exists():  # re-saving a step (e.g. after a resume): move the old one away first
             old = root / f".tmp-old-{name}-{os.getpid()}"
             os.replace(final, old)
             shutil.rmtree(old, ignore_errors=True)
         os.replace(tmp, final)
-        _fsync_path(root)
+        fsync_path(root)
     except (OSError, SafetensorError) as e:  # safetensors reports a full disk as its own error
         raise _write_error(f"checkpoint {str(root / name)!r}", e) from None
     finally:
@@ -436,7 +421,7 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
         entry = files.get(fname)
         if not isinstance(entry, dict) or not f.is_file():
             raise UsageError(f"checkpoint {str(path)!r} is incomplete: {fname} is missing ({what})")
-        if f.stat().st_size != entry.get("bytes") or _sha256(f) != entry.get("sha256"):
+        if f.stat().st_size != entry.get("bytes") or sha256_file(f) != entry.get("sha256"):
             raise UsageError(
                 f"checkpoint {str(path)!r} is damaged: {fname} does not match its sha256 in "
                 f"{MANIFEST_FILE} (truncated or modified; {what})"
