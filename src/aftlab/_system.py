@@ -11,7 +11,14 @@ import sys
 
 import torch
 
-__all__ = ["machine_info", "peak_rss_bytes", "proc_bytes", "proc_field"]
+__all__ = [
+    "available_memory",
+    "env_off",
+    "machine_info",
+    "peak_rss_bytes",
+    "proc_bytes",
+    "proc_field",
+]
 
 
 def proc_field(path: str, key: str) -> str:
@@ -40,6 +47,34 @@ def peak_rss_bytes() -> int:
         return peak
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
+
+
+def available_memory(device: torch.device | str | None = None) -> tuple[int, str]:
+    """Bytes this process can still allocate on ``device``, and where the figure comes from.
+
+    A CUDA device: its free memory (``torch.cuda.mem_get_info``). Otherwise RAM:
+    ``MemAvailable`` of ``/proc/meminfo`` (``MemTotal`` on an old kernel), lowered to what
+    ``RLIMIT_AS`` (``ulimit -v``) leaves this process beyond its ``VmSize``. ``(0, "unknown")``
+    when nothing tells.
+    """
+    device = torch.device(device if device is not None else "cpu")
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0], f"free on {device}"
+    found = []
+    for key in ("MemAvailable", "MemTotal"):
+        if ram := proc_bytes("meminfo", key):
+            found.append((ram, f"{key} in /proc/meminfo"))
+            break
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit != resource.RLIM_INFINITY:
+        left = max(limit - proc_bytes("self/status", "VmSize"), 0)
+        found.append((left, "what ulimit -v leaves"))
+    return min(found) if found else (0, "unknown")
+
+
+def env_off(name: str) -> bool:
+    """True when the environment variable ``name`` is ``0``, ``false``, ``no`` or ``off``."""
+    return os.environ.get(name, "1").strip().lower() in ("0", "false", "no", "off")
 
 
 def machine_info(device: torch.device, argv: list[str] | None = None) -> dict:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .._system import machine_info, proc_bytes
+from .._system import available_memory, machine_info
 from .cases import MATMUL, MODES, PEERS, Op, Shape, Spec
 from .cases import cases as all_cases
 from .measure import check, execute, gate_shape, measure_limits
@@ -157,8 +157,7 @@ class _Run:
         cfg.threads = torch.get_num_threads()  # the case processes use the same
         self.isolate = cfg.isolate and self.device.type == "cpu"
         self.esize = torch.empty((), dtype=self.dtype).element_size()
-        free = proc_bytes("meminfo", "MemAvailable") or 8 * 2**30  # unknown: 8 GiB
-        free = torch.cuda.mem_get_info(self.device)[0] if cfg.device == "cuda" else free
+        free = available_memory(self.device)[0] or 8 * 2**30  # unknown: 8 GiB
         self.mem_limit = 2**30 * cfg.max_memory_gb if cfg.max_memory_gb else 0.6 * free
 
     def costs(self, spec: Spec, op: Op | None) -> dict:

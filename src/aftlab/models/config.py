@@ -15,6 +15,14 @@ _POSITIONAL = ("learned", "sinusoidal", "rotary", "none")
 _INITS = ("gpt2", "torch")
 
 
+#: the largest tensor dimension (torch sizes are int64)
+_MAX_SIZE = 2**63 - 1
+
+
+def _is_size(v: Any) -> bool:
+    return not isinstance(v, bool) and isinstance(v, int) and 0 < v <= _MAX_SIZE
+
+
 def _fail(name: str, expected: str, got: Any) -> None:
     raise ValueError(f"TransformerConfig: '{name}' must be {expected}, got {got!r}")
 
@@ -77,13 +85,12 @@ class TransformerConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                _fail(name, "a positive int", v)
+            if not _is_size(getattr(self, name)):
+                _fail(name, "a positive int below 2**63", getattr(self, name))
         for name in ("head_dim", "d_ff"):
             v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
-                _fail(name, "a positive int or None", v)
+            if v is not None and not _is_size(v):
+                _fail(name, "a positive int below 2**63, or None", v)
         if self.head_dim is None and self.d_model % self.n_heads:
             _fail(
                 "n_heads",

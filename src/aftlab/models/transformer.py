@@ -13,7 +13,8 @@ Validation: the models' entry points (``forward``, ``prefill``, ``step``, ``gene
 their token ids and padding mask (:func:`~aftlab.models.generation.check_tokens`: the id range
 only on CPU tensors outside ``torch.compile``, so that no forward pass syncs the host); a
 block and its mixer (public modules too) check only shapes and dtypes, and the mixer calls its
-op without the op's checks.
+op without the op's checks. Before anything is built, each model checks that its parameters fit
+in memory (:func:`~aftlab.models.memory.check_model_fits`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from .generation import (
     sample_next_token,
 )
 from .gpt2 import load_gpt2_state_dict
+from .memory import check_model_fits
 from .positional import sinusoidal_positions
 
 __all__ = [
@@ -262,6 +264,7 @@ class TransformerLM(GenerateMixin, nn.Module):
         where = type(self).__name__
         hint = " (TransformerClassifier is the bidirectional encoder)"
         _check_config(where, config, causal=True, kind="a language model", hint=hint)
+        check_model_fits(where, config)
         self.config = config
         self.backbone = TransformerBackbone(config, where=where)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
@@ -398,6 +401,7 @@ class TransformerClassifier(nn.Module):
         _check_config(where, config, causal=False, kind="an encoder")
         self.num_classes = check_positive_int(where, "num_classes", num_classes)
         self.pooling = check_choice(where, "pooling", pooling, ("mean", "first"))
+        check_model_fits(where, config, num_classes=num_classes)
         self.config = config
         self.backbone = TransformerBackbone(config, where=where)
         self.head = nn.Linear(config.d_model, num_classes)
@@ -465,6 +469,7 @@ class PixelTransformer(CacheMixin, nn.Module):
                 f"{where}: image_shape {self.image_shape} has {self.num_pixels} (sub-)pixels, more "
                 f"than config.max_seq_len = {config.max_seq_len}"
             )
+        check_model_fits(where, config)
         self.config = config
         self.backbone = TransformerBackbone(config, where=where)
         self.start = nn.Parameter(torch.randn(config.d_model) * 0.02)

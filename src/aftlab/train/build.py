@@ -5,14 +5,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
 from torch import nn
 
 from .._checks import did_you_mean
 from ..models.config import TransformerConfig
+from ..models.memory import check_memory, estimate_memory, parameter_count
 from .config import TrainConfig
 from .errors import UsageError
 
-__all__ = ["build_task", "build_model", "model_config_for"]
+__all__ = ["build_task", "build_model", "model_config_for", "check_training_memory"]
 
 
 def build_task(config: TrainConfig) -> Any:
@@ -97,7 +99,44 @@ def build_model(model_config: TransformerConfig, task_info: dict[str, Any]) -> n
             )
         return models.TransformerLM(model_config)
     except (TypeError, ValueError) as e:
-        raise UsageError(f"cannot build the model: {e}") from None
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__  # torch adds C++ frames
+        raise UsageError(f"cannot build the model: {first}") from None
+
+
+def check_training_memory(
+    config: TrainConfig,
+    model_config: TransformerConfig,
+    task_info: dict[str, Any],
+    micro_batch: int | None,
+    *,
+    device: torch.device,
+) -> None:
+    """Refuse a run that cannot fit on ``device``, before its model is built.
+
+    :func:`~aftlab.models.memory.estimate_memory` of float32 parameters, their gradients and
+    AdamW moments, and the activations of one micro-batch of ``micro_batch`` sequences (bf16
+    ones with ``precision="bf16"``); ``micro_batch=None`` (FSDP, whose states are sharded):
+    the parameters only. ``AFTLAB_MEMORY_CHECK=0`` skips it.
+
+    Raises:
+        UsageError: one line with the estimate and the memory available.
+    """
+    num_classes = task_info["num_classes"] if task_info["kind"] == "classify" else None
+    needed = estimate_memory(
+        model_config,
+        num_classes=num_classes,
+        dtype=torch.float32,
+        batch_size=micro_batch,
+        activation_dtype=torch.bfloat16 if config.precision == "bf16" else None,
+    )
+    n = parameter_count(model_config, num_classes=num_classes)
+    what = f"training this model ({n:,} parameters"
+    if micro_batch is not None:
+        what += f", micro-batches of {micro_batch} x {model_config.max_seq_len} tokens"
+    try:
+        check_memory("config", needed, what + ")", device=device)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def task_info(task: Any) -> dict[str, Any]:

@@ -40,7 +40,7 @@ from .. import kernels
 from .._json import dumps
 from .._system import peak_rss_bytes
 from ..data.base import IGNORE_INDEX, count_correct
-from .build import build_model, build_task, model_config_for, task_info
+from .build import build_model, build_task, check_training_memory, model_config_for, task_info
 from .checkpoint import (
     LOCK_FILE,
     RunLock,
@@ -317,6 +317,8 @@ class Trainer:
         self.task = build_task(cfg)
         self.task_info = task_info(self.task)
         self.model_config = model_config_for(cfg, self.task)
+        micro = None if self.dist.active and cfg.parallel == "fsdp" else self.micro  # sharded
+        check_training_memory(cfg, self.model_config, self.task_info, micro, device=self.device)
         torch.manual_seed(cfg.seed)
         np.random.seed(cfg.seed)
         random.seed(cfg.seed)
