@@ -17,6 +17,7 @@ __all__ = [
     "check_tensor",
     "check_state_dtypes",
     "check_compatible",
+    "check_floating_dtype",
     "check_padding_mask",
     "check_positive_int",
     "check_choice",
@@ -93,6 +94,13 @@ def check_tensor(
         )
     if dtype is not None and value.dtype != dtype:
         raise DTypeError(f"{where}: '{name}' must have dtype {dtype}, got {value.dtype}")
+    return value
+
+
+def check_floating_dtype(where: str, name: str, value: object) -> torch.dtype:
+    """Return ``value`` if it is a floating-point ``torch.dtype``; else a :class:`DTypeError`."""
+    if not (isinstance(value, torch.dtype) and value.is_floating_point):
+        raise DTypeError(f"{where}: '{name}' must be a floating-point torch.dtype, got {value!r}")
     return value
 
 

@@ -19,7 +19,7 @@ memory-efficient kernels where available); ``"attention-naive"`` is the same mod
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import check_positive_int
-from .base import SequenceMixer, mark_residual_projection
+from .base import GROWS, SequenceMixer, mark_residual_projection
 from .registry import register_mixer
 
 if TYPE_CHECKING:
@@ -133,8 +133,8 @@ class KVCache:
         length: tokens seen so far, which is also the position of the next token.
     """
 
-    k: torch.Tensor
-    v: torch.Tensor
+    k: torch.Tensor = field(metadata={GROWS: (2,)})
+    v: torch.Tensor = field(metadata={GROWS: (2,)})
     length: int = 0
 
     @classmethod
@@ -198,7 +198,6 @@ class MultiHeadAttention(SequenceMixer):
     """
 
     parallel_prefill = True
-    growing_state = True
 
     @classmethod
     def from_config(cls, config: TransformerConfig, *, layer_idx: int = 0) -> MultiHeadAttention:
@@ -355,15 +354,6 @@ class MultiHeadAttention(SequenceMixer):
         Returns:
             ``(y, state)`` with ``y: (B, d)``.
         """
-        if not isinstance(state, KVCache):
-            raise TypeError(
-                f"{type(self).__name__}: 'state' must be a KVCache, got {type(state).__name__}"
-            )
-        if state.k.shape[0] != x.shape[0]:
-            raise ValueError(
-                f"{type(self).__name__}: 'x' has batch size {x.shape[0]} but 'state' was made for "
-                f"{state.k.shape[0]}"
-            )
         q, k, v = self._split(self.qkv(x[:, None, :]), state.length)
         state.append(k, v)
         L = state.length

@@ -11,7 +11,9 @@ Conventions:
       with no valid key yields zeros (after the output projection), never NaN.
     * A causal mixer decodes incrementally: ``state = init_state(B)`` then
       ``y_t, state = step(x_t, state)`` with ``x_t: (B, d_model)``; feeding tokens one by one
-      must reproduce ``forward`` on the whole sequence.
+      must reproduce ``forward`` on the whole sequence. ``step`` checks ``state`` against the
+      structure of an empty one (:meth:`SequenceMixer.check_state`): a state is a dataclass
+      whose tensors hold the batch on dim 0.
     * A causal mixer also prefills: ``y, state = prefill(x)`` runs a whole prompt
       ``x: (B, T, d_model)`` and returns ``forward(x)`` with the state after its ``T`` tokens
       (equal, within float tolerance, to ``T`` calls of ``step``). Every built-in mixer does this
@@ -30,12 +32,15 @@ Conventions:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+import dataclasses
+import operator
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import torch
 from torch import nn
 
-from .._checks import check_padding_mask, check_positive_int, check_tensor
+from .._checks import check_floating_dtype, check_padding_mask, check_positive_int, check_tensor
 
 if TYPE_CHECKING:
     from ..models.config import TransformerConfig
@@ -44,6 +49,7 @@ __all__ = [
     "SequenceMixer",
     "MixerState",
     "COMMON_ARGS",
+    "GROWS",
     "mark_residual_projection",
     "is_residual_projection",
 ]
@@ -52,6 +58,10 @@ MixerState = Any  # each mixer defines its own state type (a small dataclass of 
 
 #: the attribute :func:`mark_residual_projection` sets on a layer
 _RESIDUAL = "residual_projection"
+
+#: ``dataclasses.field`` metadata of a state tensor: the dims that grow while decoding (a
+#: key-value cache's capacity); :meth:`SequenceMixer.check_state` leaves their size free
+GROWS = "grows"
 
 #: the constructor arguments every mixer takes; :meth:`SequenceMixer.from_config` fills them from
 #: the config fields of the same names
@@ -82,6 +92,43 @@ def mark_residual_projection(layer: nn.Linear) -> nn.Linear:
 def is_residual_projection(module: nn.Module) -> bool:
     """True for a layer marked by :func:`mark_residual_projection`."""
     return bool(getattr(module, _RESIDUAL, False))
+
+
+class _StatePart(NamedTuple):
+    """One part of a decoding state that :meth:`SequenceMixer.check_state` checks."""
+
+    get: Callable[[Any], Any] | None  # the part from the state (None: the state itself)
+    path: str  # shown after the state's name: "", ".k", ".gone.a"
+    kind: type
+    shape: tuple[int | None, ...] | None  # a tensor's shape after the batch dim, else None
+    dtype: torch.dtype | None  # a non-floating tensor's dtype (None: any floating dtype)
+    grows: tuple[int, ...] = ()  # a tensor's dims of any size (:data:`GROWS`); None in shape
+
+    def fits(self, value: torch.Tensor, batch_size: int, device: torch.device) -> bool:
+        """Whether the tensor ``value`` has this part's shape, dtype kind and ``device``."""
+        shape = value.shape
+        if self.grows:
+            shape = tuple(None if i in self.grows else n for i, n in enumerate(shape))
+        return (
+            shape == (batch_size, *self.shape)
+            and value.device == device
+            and (value.is_floating_point() if self.dtype is None else value.dtype == self.dtype)
+        )
+
+
+def _state_parts(value: object, path: str = "", grows: tuple[int, ...] = ()) -> list[_StatePart]:
+    """The parts of the empty state ``value``, parents first: itself, and a dataclass's fields."""
+    get = operator.attrgetter(path[1:]) if path else None
+    if isinstance(value, torch.Tensor):
+        shape = tuple(None if i in grows else n for i, n in enumerate(value.shape))[1:]
+        dtype = None if value.is_floating_point() else value.dtype
+        return [_StatePart(get, path, torch.Tensor, shape, dtype, grows)]
+    parts = [_StatePart(get, path, type(value), None, None)]
+    if dataclasses.is_dataclass(value):
+        for f in dataclasses.fields(value):
+            sub = getattr(value, f.name)
+            parts += _state_parts(sub, f"{path}.{f.name}", f.metadata.get(GROWS, ()))
+    return parts
 
 
 class SequenceMixer(nn.Module):
@@ -117,8 +164,6 @@ class SequenceMixer(nn.Module):
     options_from_task: ClassVar[tuple[str, ...]] = ()
     #: True for mixers that exist causal only (``aft-decay``): ``causal=False`` is a ValueError
     causal_only: ClassVar[bool] = False
-    #: True for mixers whose decoding state grows with the decoded length (a key-value cache)
-    growing_state: ClassVar[bool] = False
     #: True for a slow, obvious implementation kept to check a fast one (``attention-naive``):
     #: left out of ``aftlab compare``'s default mixers
     reference: ClassVar[bool] = False
@@ -323,6 +368,7 @@ class SequenceMixer(nn.Module):
         Raises:
             RuntimeError: the mixer is not causal.
             ValueError: ``batch_size`` is not a positive int.
+            DTypeError: ``dtype`` is not a floating-point dtype (a ``ValueError``).
         """
         where = type(self).__name__
         if not self.causal:
@@ -335,16 +381,64 @@ class SequenceMixer(nn.Module):
             device = torch.device("cpu") if p is None else p.device
         if dtype is None:
             dtype = torch.get_default_dtype() if p is None else p.dtype
+        check_floating_dtype(where, "dtype", dtype)
         return self._init_state(batch_size, device, dtype)
+
+    def check_state(self, state: MixerState, x: torch.Tensor, *, name: str = "state") -> None:
+        """Raise unless ``state`` fits this mixer and ``x: (B, d_model)``.
+
+        The structure is that of ``init_state`` (taken once, on the meta device): the same
+        dataclass type, nested ones too; each tensor of the same shape (the batch ``B`` of ``x``
+        on dim 0; any size on the dims marked :data:`GROWS`), floating-point where the empty
+        state's is (else of its dtype), on ``x``'s device. Attribute checks only, no data read.
+
+        Raises:
+            TypeError: ``state``, or a field of it (named ``state.field``), of another type.
+            ValueError: a state of another batch size, mixer size or device.
+        """
+        parts = self.__dict__.get("_state_parts")
+        if parts is None:
+            try:
+                empty = self._init_state(1, torch.device("meta"), torch.float32)
+            except NotImplementedError:  # no empty state to compare with: any state
+                empty = object()
+            parts = self.__dict__["_state_parts"] = _state_parts(empty)
+        B, device = x.shape[0], x.device
+        for part in parts:
+            value = state if part.get is None else part.get(state)
+            if not isinstance(value, part.kind):
+                raise TypeError(
+                    f"{type(self).__name__}: '{name}{part.path}' must be a {part.kind.__name__}, "
+                    f"got {type(value).__name__}"
+                )
+            if part.shape is not None and not part.fits(value, B, device):
+                self._check_state_tensor(f"{name}{part.path}", name, value, part, x)
+
+    def _check_state_tensor(
+        self, name: str, state_name: str, value: torch.Tensor, part: _StatePart, x: torch.Tensor
+    ) -> None:
+        """Raise :meth:`check_state`'s error for the tensor ``name``, which does not fit."""
+        where, B = type(self).__name__, x.shape[0]
+        if value.dim() and value.shape[0] != B:
+            raise ValueError(
+                f"{where}: 'x' has batch size {B} but '{state_name}' was made for {value.shape[0]}"
+            )
+        shape = (B, *part.shape)
+        check_tensor(where, name, value, shape=shape, floating=part.dtype is None, dtype=part.dtype)
+        if value.device != x.device:
+            raise ValueError(f"{where}: '{name}' is on {value.device} but 'x' is on {x.device}")
 
     def step(self, x: torch.Tensor, state: MixerState) -> tuple[torch.Tensor, MixerState]:
         """Process one token ``x: (B, d_model)`` at the state's position; return ``(y, state)``.
 
         ``y`` has shape ``(B, d_model)`` and equals row ``t`` of :meth:`forward` on the
         sequence so far. The returned state may be the same object, updated in place.
-        Validates ``x`` (and that the mixer is causal), then calls :meth:`_step`.
+        Validates ``x`` (and that the mixer is causal) and ``state`` (:meth:`check_state`),
+        then calls :meth:`_step`.
         """
-        return self._step(self._check_step_input(x), state)
+        x = self._check_step_input(x)
+        self.check_state(state, x)
+        return self._step(x, state)
 
     # ----------------------------------------------------------------- hooks
     def _forward(

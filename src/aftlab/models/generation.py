@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .._checks import check_positive_int
+from .._checks import check_floating_dtype, check_positive_int
 from ..mixers import MixerState
 
 if TYPE_CHECKING:
@@ -107,13 +107,15 @@ class CacheMixin:
         Raises:
             RuntimeError: the model is not causal.
             ValueError: ``batch_size`` is not a positive int.
+            DTypeError: ``dtype`` is not a floating-point dtype (a ``ValueError``).
         """
         bb: TransformerBackbone = getattr(self, "backbone", self)
         check_positive_int(bb.where, "batch_size", batch_size)
         if not bb.config.causal:
             raise RuntimeError(f"{bb.where}: incremental decoding needs config.causal=True")
         w = bb.token_embedding.weight
-        device, dtype = device or w.device, dtype or w.dtype
+        device = device or w.device
+        dtype = w.dtype if dtype is None else check_floating_dtype(bb.where, "dtype", dtype)
         states = [b.mixer.init_state(batch_size, device=device, dtype=dtype) for b in bb.blocks]
         return DecodingCache(states=states, position=0, batch_size=batch_size)
 

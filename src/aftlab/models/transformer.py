@@ -222,6 +222,13 @@ class TransformerBackbone(CacheMixin, nn.Module):
                 f"{self.where}: 'tokens' has batch size {h.shape[0]} but 'cache' was made for "
                 f"batch_size={cache.batch_size}"
             )
+        if len(cache.states) != len(self.blocks):
+            raise ValueError(
+                f"{self.where}: 'cache' holds {len(cache.states)} layer states but the model has "
+                f"n_layers={len(self.blocks)}"
+            )
+        for i, block in enumerate(self.blocks):  # a cache of another model: named as such
+            block.mixer.check_state(cache.states[i], h, name=f"cache.states[{i}]")
         pos = self.positions(1, cache.position, h)
         if pos is not None:
             h = h + pos[0]

@@ -16,8 +16,9 @@ outside it (AFT-local with a Toeplitz bias). Kernel alignment follows ``F.conv1d
 ``w[:, j]`` acts on ``t' = t + j - (s - 1)`` (``w[:, -1]`` is the current token) and every sum
 runs over ``t' <= t`` only. In 2-D, ``w[:, a, b]`` acts on ``(i + a - s//2, j + b - s//2)``.
 
-How it is computed, exactly for any finite input (no ``exp`` of an unshifted quantity, no
-"global sum minus in-footprint sum" cancellation):
+How it is computed, exactly for any finite key and kernel, and finite for values up to
+``finfo.max / 2`` (no ``exp`` of an unshifted quantity, no "global sum minus in-footprint sum"
+cancellation):
 
 * **Outside the footprint** the bias is 0, so the terms are plain prefix/suffix sums of
   ``e^{K} V``, taken with the stable scan :func:`aftlab.ops.scan.stable_prefix_average` (a
@@ -26,8 +27,10 @@ How it is computed, exactly for any finite input (no ``exp`` of an unshifted qua
   suffix at ``t + s//2 + 1``; 2-D, rows above/below the box (scans over whole rows) plus, in
   each of the box's rows, the row prefix/suffix left/right of the box.
 * **Inside the footprint** (``s`` or ``s^2`` offsets) each term ``K_{t'} + w_{t,t'}`` is
-  shifted by the per-(t, channel) maximum ``m_t`` over the footprint and the outside log-sum, so
-  every exponential is ``<= 1`` and one of them is exactly 1 (the denominator is ``>= 1``).
+  shifted by the per-(t, channel) maximum ``m_t`` over the footprint and the outside log-sum,
+  plus the headroom ``log(n + 1)`` for the ``n`` terms (``_numerics.headroom``), so every
+  exponential is at most ``1 / (n + 1)``, the largest is that (the denominator is positive),
+  and the value-weighted sum stays below the largest ``|V|``.
 * The backward pass is written by hand (a custom autograd function) with the same structure:
   with ``P_{t,t'} = e^{K_{t'} + w_{t,t'} - Z_t}`` (``Z_t`` the log of the denominator) and
   ``dO = dY \odot \sigma(Q)``, ``D_t = dO_t \cdot O_t``:
@@ -52,7 +55,7 @@ import torch
 from .. import kernels
 from .._autograd import keep_inputs, once_differentiable
 from .._checks import check_compatible, check_padding_mask, check_tensor
-from ._numerics import compute_dtype, finite_shift, lse_merge, shift_along
+from ._numerics import compute_dtype, finite_shift, headroom, lse_merge, shift_along
 from .reference import biased_average_reference
 from .scan import _stable_prefix_average
 
@@ -241,8 +244,8 @@ class _AFTConvFunction(torch.autograd.Function):
         m = L_out
         for di, dj, n in geom.offsets:
             m = torch.maximum(m, geom.window(kp, di, dj) + wb[..., n, :])
-        m = finite_shift(m)
-        # pass 2: den = sum e^{K + w - m}, num = sum e^{K + w - m} V (every exponent <= 0)
+        m = finite_shift(m) + headroom(len(geom.offsets) + 1)  # num never overflows
+        # pass 2: den = sum e^{K + w - m}, num = sum e^{K + w - m} V (every exponent < 0)
         den = torch.exp(L_out - m)
         num = den.to(cdt) * A_out
         for di, dj, n in geom.offsets:

@@ -1,4 +1,4 @@
-"""AFT-full (Zhai et al. 2021, eq. 2): exact, stable for any finite input, memory-linear.
+"""AFT-full (Zhai et al. 2021, eq. 2): exact, stable for any finite key and bias, memory-linear.
 
 For ``Q, K, V`` of shape ``(B, T, d)`` and pairwise position biases ``w`` (``T x T``, shared by
 the channels), elementwise over the channel ``c``::
@@ -29,15 +29,19 @@ How the PyTorch implementation computes it (see docs/aft.md):
   keys ``t'`` that query ``t`` sees) and a per-channel key shift ``m^K_c``, the factors
   ``E^w = exp(w - m^w)`` and ``E^K = exp(K - m^K)`` give ``num = E^w @ (E^K * V)``,
   ``den = E^w @ E^K``; ``A = num / den``, ``L = log(den) + m^w + m^K``. Non-causal: one block,
-  ``m^K`` the max of all keys (every factor is at most 1).
+  ``m^K`` the max of all keys. ``m^K`` also holds the headroom ``log(n + 1)`` for the block's
+  ``n`` keys (``_numerics.headroom``), so every ``E^K`` below the max is at most
+  ``1 / (n + 1)`` and ``num`` stays below the largest ``|V|``: values up to ``finfo.max`` give
+  a finite average, as on the kernels.
 * **Causal: exact causality, bit for bit.** Query blocks ``[i0, i1)`` of 256-512 rows multiply
   the keys ``[0, i1)`` (the triangle above the block's diagonal is skipped); unseen biases
   are -inf, so ``E^w = 0`` there. The key shift ``m^K`` is the max of the keys ``[0, i0]``,
   which every query of the block sees, never a key in some query's future (the earlier key
   blocks are exponentiated once, with their own max ``m_j``, and rescaled by
   ``exp(m_j - m^K) <= 1``). The block's own
-  (*diagonal*) keys ``[i0, i1)`` may then have ``E^K > 1``; one with ``E^K > e^44`` or a
-  non-finite ``E^K`` or ``E^K V`` (a NaN or inf input, or an overflow) is *unsafe*: it is
+  (*diagonal*) keys ``[i0, i1)`` may then have ``E^K > 1``; one with ``E^K > e^44``,
+  ``|E^K V| > finfo.max / (n + 1)`` or a non-finite ``E^K`` or ``E^K V`` (a NaN or inf input, or
+  an overflow) is *unsafe*: it is
   zeroed, so that the queries before it multiply a finite 0 with their ``E^w = 0``. A query
   that sees an unsafe key gets NaN in that channel if the key or value there is non-finite,
   and is recomputed exactly (below) otherwise. So an output depends only on the keys,
@@ -87,7 +91,7 @@ import torch
 from .. import kernels
 from .._autograd import register_autograd_once
 from .._checks import check_compatible, check_qkv, check_tensor
-from ._numerics import compute_dtype
+from ._numerics import compute_dtype, headroom
 from .reference import biased_average_reference
 
 __all__ = ["aft_full", "aft_full_reference", "lse_average"]
@@ -232,15 +236,16 @@ def _factors(k, v, wb, geo, blk, kb=None) -> _Factors:
     mw = _floor(bias.amax(1, keepdim=True))
     B, d = k.shape[0], k.shape[2]
     x = k.new_empty(B, hi - lo, 2 * d)
+    room = headroom(hi - lo)  # E^K <= 1 / (n + 1) below the key shift: num never overflows
     if kb is not None and i0 > 0:  # causal AFT-full: the earlier key blocks, rescaled
         X, m = kb
         i = i0 // X.shape[2]
-        mk = _floor(torch.maximum(m[:, :i].amax(1), k[:, i0 : i0 + 1]))
-        sc = torch.exp(m[:, :i] - mk[:, None])  # (B, i, 1, d), at most 1
+        mk = _floor(torch.maximum(m[:, :i].amax(1), k[:, i0 : i0 + 1])) + room
+        sc = torch.exp(m[:, :i] - mk[:, None])  # (B, i, 1, d), at most 1 / (n + 1)
         torch.mul(X[:, :i], torch.cat([sc, sc], -1), out=x[:, :i0].view(B, i, -1, 2 * d))
         js = i0  # keys computed below: the diagonal
     else:
-        mk = _floor(k[:, lo : (i0 + 1 if geo.causal else hi)].amax(1, keepdim=True))
+        mk = _floor(k[:, lo : (i0 + 1 if geo.causal else hi)].amax(1, keepdim=True)) + room
         js = 0
     ev, ek = x[:, js:, :d], x[:, js:, d:]
     torch.exp(torch.sub(k[:, lo + js : hi], mk, out=ek), out=ek)
@@ -248,7 +253,8 @@ def _factors(k, v, wb, geo, blk, kb=None) -> _Factors:
     unsafe = None
     if geo.causal:  # the diagonal keys [i0, hi)
         dv, dk = x[:, i0 - lo :, :d], x[:, i0 - lo :, d:]
-        unsafe = ~(dk + dv * 0.0 <= _SAFE)  # True for NaN, inf, or E^K > e^44
+        # True for NaN, inf, E^K > e^44, or |E^K V| > finfo.max / (n + 1) (num could overflow)
+        unsafe = ~((dk <= _SAFE) & (dv.abs() <= torch.finfo(dv.dtype).max / (hi - lo + 1)))
         dk.masked_fill_(unsafe, 0.0)
         dv.masked_fill_(unsafe, 0.0)
     return _Factors(bias, col, torch.exp(bias - mw), mw, x, mk, unsafe)
@@ -294,7 +300,7 @@ def _rescue_rows(k, v, wb, geo, rows):
         kpos = kpos.clamp(0, T - 1)
         s = k[b[:, None], kpos].double() + wb[t[:, None], j[None, :]].double()[:, :, None]
         s = s.masked_fill(~valid[:, :, None], float("-inf"))
-        m = _floor(s.amax(1, keepdim=True))
+        m = _floor(s.amax(1, keepdim=True)) + headroom(j.numel())
         yield b, t, j, kpos, valid, s, m
 
 
@@ -557,8 +563,9 @@ def aft_full(
 
         Y_t = sigma(Q_t) * sum_t' exp(K_t' + w_{t,t'}) V_t' / sum_t' exp(K_t' + w_{t,t'})
 
-    Elementwise over channels; ``w`` is shared by the channels. Exact for any finite input
-    (see the module docstring for the method), ``O(B T^2 d)`` time in two matrix products
+    Elementwise over channels; ``w`` is shared by the channels. Exact for any finite key and
+    bias, finite for values up to ``finfo.max / 2`` on every path (up to ``finfo.max`` on the
+    kernel; see the module docstring for the method), ``O(B T^2 d)`` time in two matrix products
     (about half of that when causal), ``O(B T d + T^2)`` memory.
 
     Args:

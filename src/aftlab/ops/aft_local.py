@@ -19,6 +19,7 @@ They are combined with a per-``(t, c)`` maximum ``M = max_p L^p``::
 
     Y_t = sigma(Q_t) * sum_p exp(L^p_t - M_t) A^p_t / sum_p exp(L^p_t - M_t)
 
+(``M`` plus the headroom ``log 4``, so that the sum of at most three averages never overflows)
 in float64 for the ``L^p`` (the band's reaches ``2 * finfo(float32).max`` for the largest
 float32 keys and biases); a NaN input stays NaN. Causal, every part sees only ``t' <= t``
 (the band's blocks as causal AFT-full's, see :mod:`aftlab.ops.aft_full`), so an output never
@@ -35,7 +36,7 @@ import torch
 
 from .. import kernels
 from .._checks import check_compatible, check_positive_int, check_qkv, check_tensor
-from ._numerics import compute_dtype, shift_along
+from ._numerics import compute_dtype, headroom, shift_along
 from .aft_full import Geometry, check_aft_inputs, lse_average
 from .reference import biased_average_reference
 from .scan import _stable_prefix_average
@@ -130,11 +131,12 @@ def _aft_local_torch(q, k, v, w_band, window: int, *, causal: bool, padding_mask
             avg = parts[0][1]
         else:
             # log-sums in float64: the band's reaches 2 * finfo(float32).max for the largest
-            # float32 keys and biases. M = -inf (no key at all) -> 0; a NaN stays NaN.
+            # float32 keys and biases. M = -inf (no key at all) -> 0; a NaN stays NaN; the
+            # headroom keeps num below the largest value.
             M = parts[0][0].detach().double()
             for L, _ in parts[1:]:
                 M = torch.maximum(M, L.detach())
-            M = M.masked_fill_(M == float("-inf"), 0.0)
+            M = M.masked_fill_(M == float("-inf"), 0.0).add_(headroom(len(parts)))
             num = den = 0.0
             for L, A in parts:
                 e = torch.exp((L - M).to(cd))  # L - M <= 0 (or NaN): exact enough in cd
@@ -160,7 +162,9 @@ def aft_local(
 
     ``w'_{t,t'} = w_{t,t'}`` if ``|t - t'| < window`` else 0 (global connectivity kept).
     ``window = 0`` is AFT-simple, ``window >= T`` is AFT-full. Exact and stable for any finite
-    input; ``O(B T s d)`` time, ``O(B T d + T s)`` memory (only the band of ``w`` is read).
+    key and bias, finite for values up to ``finfo.max / 2`` on every path (up to ``finfo.max``
+    on the kernel); ``O(B T s d)`` time, ``O(B T d + T s)`` memory (only the band of ``w`` is
+    read).
 
     Args:
         q, k, v: ``(B, T, d)``.
