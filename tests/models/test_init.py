@@ -152,8 +152,9 @@ def test_model_calls_the_mixer_hook_after_the_generic_scheme(gated):
         vocab_size=20, d_model=16, n_layers=2, n_heads=2, max_seq_len=8, mixer=gated, causal=False
     )
     model = TransformerClassifier(cfg, num_classes=3)
-    # each mixer's constructor called it once, the model once more after drawing the Linears
-    assert _Gated.calls == 2 * 2
+    # each mixer's constructor called it once, the model once more after drawing the Linears;
+    # and the memory check built one more mixer on the meta device to count its parameters
+    assert _Gated.calls == 2 * 2 + 1
     for block in model.backbone.blocks:
         assert torch.equal(block.mixer.gate.weight, torch.eye(16))  # not N(0, 0.02^2)
         assert block.mixer.scale.item() == 3.0

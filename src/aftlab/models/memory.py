@@ -137,7 +137,7 @@ def estimate_memory(
     """
     itemsize = (dtype or torch.get_default_dtype()).itemsize
     params = parameter_count(config, num_classes=num_classes)
-    total = params * itemsize + config.n_layers * BLOCK_OVERHEAD
+    total = _model_bytes(config, params, itemsize)
     if batch_size is None:
         return total
     act = (activation_dtype or dtype or torch.get_default_dtype()).itemsize
@@ -146,6 +146,11 @@ def estimate_memory(
     per_token = config.n_layers * (7 * d + 2 * r) + d + logits
     tokens = batch_size * (seq_len or config.max_seq_len)
     return total + 3 * params * itemsize + tokens * per_token * act
+
+
+def _model_bytes(config: TransformerConfig, params: int, itemsize: int) -> int:
+    """The weights of ``params`` parameters and :data:`BLOCK_OVERHEAD` per block."""
+    return params * itemsize + config.n_layers * BLOCK_OVERHEAD
 
 
 def _bytes(n: int) -> str:
@@ -181,4 +186,4 @@ def check_model_fits(
     """:func:`check_memory` of building the model of ``config`` (:func:`estimate_memory`)."""
     n, dtype = parameter_count(config, num_classes=num_classes), torch.get_default_dtype()
     what = f"the model ({n:,} parameters in {dtype}, {config.n_layers:,} blocks)"
-    check_memory(where, estimate_memory(config, num_classes=num_classes), what)
+    check_memory(where, _model_bytes(config, n, dtype.itemsize), what)
