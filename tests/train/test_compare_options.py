@@ -17,15 +17,16 @@ from .helpers import TINY, write_text
 
 
 def _task(metric: str) -> SimpleNamespace:
-    return SimpleNamespace(
-        name="fake",
-        kind="lm",
-        metric=metric,
-        vocab_size=32,
-        seq_len=16,
-        num_classes=None,
-        image_shape=None,
-    )
+    info = {
+        "task": "fake",
+        "kind": "lm",
+        "vocab_size": 32,
+        "num_classes": None,
+        "seq_len": 16,
+        "metric": metric,
+        "image_shape": None,
+    }
+    return SimpleNamespace(**info, name="fake", info=lambda: info)  # a Task's attributes
 
 
 @pytest.fixture
@@ -141,7 +142,7 @@ def test_equal_params_lands_within_half_a_d_ff_unit(tmp_path):
     base = _base(data=str(write_text(tmp_path / "d.txt", 4_000)))
     task = compare.build_task(base)
     target = compare.count_parameters(base.replace(mixer="attention"), task)
-    d, n = base.model.d_model, base.model.n_layers
+    d, n = base.model["d_model"], base.model["n_layers"]
     tol = n * (2 * d + 1) / 2  # one d_ff unit: a row of W_1, a column of W_2, a bias of b_1
     far = 0
     for mixer in compare.default_mixers():
@@ -150,9 +151,9 @@ def test_equal_params_lands_within_half_a_d_ff_unit(tmp_path):
         matched, count = compare.match_parameters(cfg, task, target)
         assert abs(count - target) <= tol, (mixer, count, target)
         # the meta-device count is the built model's
-        from aftlab.train.build import build_model, model_config_for, task_info
+        from aftlab.train.build import build_model, model_config_for
 
-        model = build_model(model_config_for(matched, task), task_info(task))
+        model = build_model(model_config_for(matched, task), task.info())
         assert sum(p.numel() for p in model.parameters()) == count
     assert far >= 2  # aft-full/aft-local (position bias) and aft-conv differ before matching
 
@@ -162,8 +163,8 @@ def test_equal_params_reaches_the_runs(fake, tmp_path):
     out = tmp_path / "cmp"
     table = compare.run_compare(_base(), ["attention", "aft-full"], out, equal_params=True)
     rows = _rows(out)
-    assert calls[0].model.d_ff == 64 and calls[1].model.d_ff < 64
-    assert rows["aft-full"]["d_ff"] == calls[1].model.d_ff
+    assert calls[0].model["d_ff"] == 64 and calls[1].model["d_ff"] < 64
+    assert rows["aft-full"]["d_ff"] == calls[1].model["d_ff"]
     assert abs(rows["aft-full"]["parameters"] - rows["attention"]["parameters"]) <= 2 * (32 + 1) / 2
     assert "| d_ff |" in table
 

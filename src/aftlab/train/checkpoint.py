@@ -3,7 +3,8 @@
 Layout of one checkpoint, ``RUN/checkpoints/step_00000100/``:
 
 * ``model.safetensors``        the model weights (tied weights stored once), safetensors format;
-* ``config.json``              ``{"train": TrainConfig.to_dict(), "model": ..., "task": ...}``;
+* ``config.json``              ``{"train": TrainConfig.to_dict(), "model": ..., "task": ...}``:
+  the config as written, the TransformerConfig built from it, the task's ``info()``;
 * ``train_state.safetensors``  the tensors of the training state: optimizer moments, the torch
   and NumPy RNG states;
 * ``train_state.json``         the rest of it: step, tokens seen, optimizer hyper-parameters,

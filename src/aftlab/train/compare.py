@@ -23,7 +23,6 @@ Fair comparisons (docs/results.md, "aftlab compare"):
 from __future__ import annotations
 
 import csv
-import dataclasses
 import io
 import json
 import math
@@ -40,7 +39,7 @@ import torch
 from .._checks import did_you_mean
 from .._json import dumps
 from ..mixers import available_mixers, get_mixer_class
-from .build import build_model, build_task, model_config_for, task_info
+from .build import build_model, build_task, model_config_for
 from .checkpoint import atomic_write_text
 from .config import TrainConfig, parse_override, to_toml
 from .errors import READ_ERRORS, UsageError, reason
@@ -135,7 +134,7 @@ def count_parameters(config: TrainConfig, task: Any) -> int:
         UsageError: the mixer rejects its options.
     """
     with torch.device("meta"):
-        model = build_model(model_config_for(config, task), task_info(task))
+        model = build_model(model_config_for(config, task), task.info())
     return sum(p.numel() for p in model.parameters())
 
 
@@ -151,9 +150,9 @@ def match_parameters(config: TrainConfig, task: Any, target: int) -> tuple[Train
     """
 
     def with_d_ff(d_ff: int) -> TrainConfig:
-        return config.replace(model=dataclasses.replace(config.model, d_ff=d_ff))
+        return config.replace(model={"d_ff": d_ff})
 
-    d_ff0 = config.model.resolved_d_ff
+    d_ff0 = model_config_for(config, task).resolved_d_ff
     p0 = count_parameters(with_d_ff(d_ff0), task)
     step = count_parameters(with_d_ff(d_ff0 + 1), task) - p0
     d_ff = d_ff0 + round((target - p0) / step)
@@ -508,7 +507,7 @@ def run_compare(
             {
                 "mixer": sp.label,
                 "parameters": summaries[0]["parameters"],
-                "d_ff": configs[sp.label].model.resolved_d_ff,
+                "d_ff": model_config_for(configs[sp.label], task).resolved_d_ff,
                 "lr": best,
                 "seeds": seed_list,
                 "val_by_lr": {f"{lr:g}": v for lr, v in val_by_lr.items()},

@@ -40,7 +40,7 @@ from .. import kernels
 from .._json import dumps
 from .._system import peak_rss_bytes
 from ..data.base import IGNORE_INDEX, count_correct
-from .build import build_model, build_task, check_training_memory, model_config_for, task_info
+from .build import build_model, build_task, check_training_memory, model_config_for
 from .checkpoint import (
     LOCK_FILE,
     RunLock,
@@ -227,7 +227,8 @@ class Trainer:
         resume: continue from the newest checkpoint in ``run_dir`` (from scratch if it has none).
         stream: where progress goes (default ``sys.stderr``); results are printed to ``sys.stdout``.
 
-    Files written (rank 0 only): ``config.toml`` (resolved config), ``task.json``,
+    Files written (rank 0 only): ``config.toml`` (resolved config), ``task.json`` (the task's
+    :meth:`~aftlab.data.Task.info`, also a checkpoint's ``task``),
     ``metrics.jsonl`` (one JSON object per step and per evaluation), ``checkpoints/``,
     ``summary.json`` (at the end); all JSON is strict (a non-finite number is ``null``).
 
@@ -315,7 +316,7 @@ class Trainer:
         self.per_rank = per_rank
         self.micro = per_rank // cfg.grad_accum
         self.task = build_task(cfg)
-        self.task_info = task_info(self.task)
+        self.task_info = _jsonable(self.task.info())
         self.model_config = model_config_for(cfg, self.task)
         micro = None if self.dist.active and cfg.parallel == "fsdp" else self.micro  # sharded
         check_training_memory(cfg, self.model_config, self.task_info, micro, device=self.device)
@@ -358,10 +359,7 @@ class Trainer:
         if self.dist.is_main:
             self._check_run_dir()
             atomic_write_text(self.run_dir / "config.toml", to_toml(cfg))
-            atomic_write_text(
-                self.run_dir / "task.json",
-                dumps({**self.task_info, "info": _jsonable(self.task.info())}, indent=2),
-            )
+            atomic_write_text(self.run_dir / "task.json", dumps(self.task_info, indent=2))
             self._trim_metrics()
 
     def _trim_metrics(self) -> None:
