@@ -46,6 +46,7 @@ def fake(monkeypatch):
             return {
                 "parameters": compare.count_parameters(cfg, task),
                 "metric": metric,
+                f"val_{metric}": val_by_lr[cfg.lr] + 0.01 * cfg.seed,
                 f"test_{metric}": test_by_lr[cfg.lr] + 0.01 * cfg.seed,
                 "test_loss": 1.0,
                 "train_tokens_per_s": 100.0,
@@ -54,7 +55,7 @@ def fake(monkeypatch):
             }
 
         def validate(cfg, run_dir):
-            return {"loss": 1.0, metric: val_by_lr[cfg.lr] + 0.01 * cfg.seed}
+            raise AssertionError("the summary carries the validation metric")
 
         monkeypatch.setattr(compare, "_train_one", train_one)
         monkeypatch.setattr(compare, "_validate", validate)
@@ -185,8 +186,10 @@ def test_seeds_give_different_runs(tmp_path):
     ]
     assert row["test_metric_values"] == tests and tests[0] != tests[1]
     assert row["test_metric_std"] == pytest.approx(abs(tests[0] - tests[1]) / math.sqrt(2))
-    for s in (0, 1):
-        assert (out / "aft-simple" / f"lr0.01-seed{s}" / "val.json").is_file()
+    runs = [out / "aft-simple" / f"lr0.01-seed{s}" for s in (0, 1)]
+    vals = [json.loads((run / "summary.json").read_text())["val_bpb"] for run in runs]
+    assert row["val_metric"] == pytest.approx(sum(vals) / 2) and vals[0] != vals[1]
+    assert not list(out.rglob("val.json"))  # read from the summaries, no checkpoint reloaded
 
 
 @pytest.mark.parametrize(

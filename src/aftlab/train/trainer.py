@@ -508,9 +508,10 @@ class Trainer:
 
         Returns:
             The summary (also written to ``summary.json``): parameters, steps, final train loss,
-            test loss and metric, training tokens/s, peak memory; ``"interrupted": True`` when
-            a signal stopped the run (after saving a checkpoint); ``"diverged": True`` when the
-            loss became non-finite (nothing saved after the last good checkpoint, no summary).
+            final validation and test loss and metric, training tokens/s, peak memory;
+            ``"interrupted": True`` when a signal stopped the run (after saving a checkpoint);
+            ``"diverged": True`` when the loss became non-finite (nothing saved after the last
+            good checkpoint, no summary).
 
         Raises:
             UsageError: another process holds the run folder, a resume that changes the config,
@@ -680,13 +681,17 @@ class Trainer:
 
     # ----------------------------------------------------------------- the finish
     def _finish(self) -> dict[str, Any]:
-        """After the last step: test evaluation, ``summary.json``, the result line, a sample."""
+        """After the last step: validation and test evaluation, ``summary.json``, the result
+        line, a sample. The validation is the periodic one's (``eval_batches``), which
+        ``aftlab compare`` chooses its rate on."""
         cfg = self.config
         summary = self._summary()
         if self.dist.is_main or self._sharded:  # a sharded forward needs every rank
+            val = self.evaluate("val", cfg.eval_batches)
             test = self.evaluate("test", cfg.test_batches or None)
         if self.dist.is_main:
             metric = self.task.metric
+            summary.update({"val_loss": val["loss"], "val_" + metric: val[metric]})
             summary.update({"test_loss": test["loss"], "test_" + metric: test[metric]})
             self._check_run_dir()
             atomic_write_text(self.run_dir / "summary.json", dumps(summary, indent=2))
