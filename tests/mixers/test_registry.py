@@ -256,26 +256,6 @@ def test_a_registered_class_is_the_only_edit_the_lists_need(toy):
     assert passed >= 20 and "failed" not in summary, summary
 
 
-def test_the_mixers_package_imports_nothing_from_models_or_train():
-    """Mixers take plain keyword arguments: the layering runs ops -> mixers -> models -> train."""
-    import ast
-
-    import aftlab.mixers
-
-    root = Path(aftlab.mixers.__file__).parent
-    found = []
-    for path in sorted(root.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.ImportFrom):
-                names = [f"{'.' * node.level}{node.module or ''}"]
-            elif isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            else:
-                continue
-            found += [(path.name, n) for n in names if any(p in n for p in ("models", "train"))]
-    assert len(list(root.rglob("*.py"))) >= 8 and found == []
-
-
 def test_config_options_name_known_values():
     """A mixer's ``config_options`` are names of ``CONFIG_OPTIONS``; another name is refused."""
     from aftlab.models.blocks import CONFIG_OPTIONS, mixer_from_config

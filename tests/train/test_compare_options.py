@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 
 from aftlab.cli import main
+from aftlab.errors import UsageError
 from aftlab.train import compare
 from aftlab.train.config import TrainConfig
-from aftlab.train.errors import UsageError
 
 from .helpers import TINY, write_text
 

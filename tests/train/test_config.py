@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from aftlab._checks import did_you_mean
+from aftlab.errors import UsageError
 from aftlab.models import TransformerConfig
 from aftlab.train.build import model_config_for
 from aftlab.train.config import (
@@ -16,7 +17,6 @@ from aftlab.train.config import (
     resume_conflicts,
     to_toml,
 )
-from aftlab.train.errors import UsageError
 
 
 def test_defaults_are_valid_and_round_trip_through_dict_and_toml(tmp_path):

@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from .._checks import did_you_mean
+from ..errors import UsageError
 from ..models.config import TransformerConfig
 from ..models.memory import check_memory, estimate_memory, parameter_count
 from .config import TrainConfig
-from .errors import UsageError
 
 __all__ = ["build_task", "build_model", "model_config_for", "check_training_memory"]
 

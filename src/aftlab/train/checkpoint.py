@@ -46,7 +46,7 @@ from torch import nn
 from .._checks import DTypeError, check_state_dtypes
 from .._files import fsync_path, sha256_file
 from .._json import dumps
-from .errors import READ_ERRORS, UsageError, reason
+from ..errors import READ_ERRORS, UsageError, reason
 
 try:
     import fcntl

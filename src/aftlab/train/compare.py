@@ -38,11 +38,11 @@ import torch
 
 from .._checks import did_you_mean
 from .._json import dumps
+from ..errors import READ_ERRORS, UsageError, reason
 from ..mixers import available_mixers, get_mixer_class
 from .build import build_model, build_task, model_config_for
 from .checkpoint import atomic_write_text
 from .config import TrainConfig, parse_override, to_toml
-from .errors import READ_ERRORS, UsageError, reason
 from .outcome import outcome_of, read_outcome
 from .plot import plot_loss_curves, plot_throughput
 

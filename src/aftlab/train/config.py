@@ -44,8 +44,8 @@ from pathlib import Path
 from typing import Any
 
 from .._checks import did_you_mean
+from ..errors import READ_ERRORS, UsageError, reason
 from ..models.config import TransformerConfig
-from .errors import READ_ERRORS, UsageError, reason
 
 if sys.version_info >= (3, 11):
     import tomllib

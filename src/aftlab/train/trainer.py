@@ -40,6 +40,7 @@ from .. import kernels
 from .._json import dumps
 from .._system import peak_rss_bytes
 from ..data.base import IGNORE_INDEX, count_correct
+from ..errors import UsageError
 from .build import build_model, build_task, check_training_memory, model_config_for
 from .checkpoint import (
     LOCK_FILE,
@@ -63,7 +64,6 @@ from .distributed import (
     weights_finite,
     wrap_model,
 )
-from .errors import UsageError
 from .optim import build_optimizer, lr_at
 from .progress import Progress, format_duration
 from .run import read_run_config
