@@ -15,6 +15,8 @@ __all__ = [
     "available_memory",
     "env_off",
     "machine_info",
+    "memory_baseline",
+    "peak_memory_since",
     "peak_rss_bytes",
     "proc_bytes",
     "proc_field",
@@ -75,6 +77,39 @@ def available_memory(device: torch.device | str | None = None) -> tuple[int, str
 def env_off(name: str) -> bool:
     """True when the environment variable ``name`` is ``0``, ``false``, ``no`` or ``off``."""
     return os.environ.get(name, "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def memory_baseline(device: torch.device, *, reset: bool = False) -> int | None:
+    """What :func:`peak_memory_since` measures the peak above, on ``device``.
+
+    Without ``reset`` (a training run's peak): on CUDA 0, the peak counting all that is
+    allocated; on the CPU the peak RSS so far (:func:`peak_rss_bytes`), so that what the
+    process held before is not counted. With ``reset`` (one call's peak): the peak is cleared
+    first (CUDA ``reset_peak_memory_stats``; Linux ``/proc/self/clear_refs``), and the baseline
+    is the memory in use now; None where the CPU's peak cannot be cleared.
+    """
+    if device.type == "cuda":
+        if not reset:
+            return 0
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device)
+    if not reset:
+        return peak_rss_bytes()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS
+    except OSError:
+        return None
+    return proc_bytes("self/status", "VmRSS")
+
+
+def peak_memory_since(device: torch.device, baseline: int) -> int:
+    """Peak memory above ``baseline`` (:func:`memory_baseline`): CUDA ``max_memory_allocated``,
+    on the CPU the peak RSS; in bytes, at least 0."""
+    if device.type == "cuda":
+        return max(0, int(torch.cuda.max_memory_allocated(device)) - baseline)
+    return max(0, peak_rss_bytes() - baseline)
 
 
 def machine_info(device: torch.device, argv: list[str] | None = None) -> dict:

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._system import peak_rss_bytes, proc_bytes
+from .._system import memory_baseline, peak_memory_since
 from ..testing import assert_close, decode, max_error
 from .cases import Op, Shape, Spec, cases, prepare
 
@@ -151,20 +151,12 @@ def tensor_bytes(obj: Any, seen: set[int] | None = None) -> int:
 def peak_memory(fn: Callable[[], object], device: torch.device) -> tuple[int | None, str, float]:
     """Run ``fn`` once; return (peak bytes above the state before the call, method, seconds)."""
     gc.collect(1)  # the young generations: the previous call's cycles, cheaply
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        seconds = timed(fn, device)
-        return torch.cuda.max_memory_allocated(device) - base, "cuda max_memory_allocated", seconds
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
+    base = memory_baseline(device, reset=True)
+    if base is None:
         return None, "unavailable (no /proc/self/clear_refs)", timed(fn, device)
-    base = proc_bytes("self/status", "VmRSS")
     seconds = timed(fn, device)
-    return max(0, peak_rss_bytes() - base), "VmHWM - VmRSS", seconds
+    method = "cuda max_memory_allocated" if device.type == "cuda" else "VmHWM - VmRSS"
+    return peak_memory_since(device, base), method, seconds
 
 
 def _setup(spec: Spec, op: Op | None, device, dtype) -> tuple[Callable, dict]:

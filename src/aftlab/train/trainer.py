@@ -38,7 +38,7 @@ from torch import nn
 
 from .. import kernels
 from .._json import dumps
-from .._system import peak_rss_bytes
+from .._system import memory_baseline, peak_memory_since
 from ..data.base import IGNORE_INDEX, count_correct
 from ..errors import UsageError
 from .build import build_model, build_task, check_training_memory, model_config_for
@@ -75,7 +75,6 @@ __all__ = [
     "forward_batch",
     "resolve_device",
     "DistInfo",
-    "peak_memory_bytes",
 ]
 
 # --------------------------------------------------------------------------- devices, processes
@@ -125,13 +124,6 @@ def init_distributed(device_name: str) -> tuple[DistInfo, torch.device]:
             torch.cuda.set_device(device)
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     return info, device
-
-
-def peak_memory_bytes(device: torch.device, baseline_rss: int) -> int:
-    """Peak memory: CUDA ``max_memory_allocated``; on CPU, peak RSS above ``baseline_rss``."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return max(0, peak_rss_bytes() - baseline_rss)
 
 
 # --------------------------------------------------------------------------- forward, loss, eval
@@ -537,7 +529,7 @@ class Trainer:
         cfg = self.config
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        self._baseline_rss = peak_rss_bytes()
+        self._memory_baseline = memory_baseline(self.device)
         self._last_saved = self.step if self.resume and self.step > 0 else -1
         self._start_step, self._session_tokens0 = self.step, self.tokens_seen
         self._train_time, self._loss = 0.0, float("nan")
@@ -637,7 +629,7 @@ class Trainer:
                 "lr": self._lr,
                 "tokens": self.tokens_seen,
                 "tokens_per_s": tok_s,
-                "peak_memory_bytes": peak_memory_bytes(self.device, self._baseline_rss),
+                "peak_memory_bytes": peak_memory_since(self.device, self._memory_baseline),
                 "time": time.time(),
             }
         )
@@ -719,7 +711,7 @@ class Trainer:
             "tokens_seen": self.tokens_seen,
             "train_tokens_per_s": tokens / train_time if train_time else None,
             "train_time_s": train_time,
-            "peak_memory_bytes": peak_memory_bytes(self.device, self._baseline_rss),
+            "peak_memory_bytes": peak_memory_since(self.device, self._memory_baseline),
             "device": str(self.device),
             "world_size": self.dist.world_size,
             "metric": self.task.metric,
