@@ -36,6 +36,25 @@ def test_peak_rss_sees_a_new_100_mib_buffer():
 
 
 @LINUX
+def test_peak_since_a_baseline_with_and_without_clearing_the_peak():
+    """A run's baseline is the peak so far: an earlier, freed 200 MiB is not counted, a new
+    100 MiB is not seen below it; a call's (``reset``) is the memory in use: 100 MiB is seen."""
+    code = (
+        "import torch; from aftlab._system import memory_baseline, peak_memory_since\n"
+        "cpu = torch.device('cpu')\n"
+        "y = torch.ones(200 * 2**20, dtype=torch.uint8); del y\n"
+        "run = memory_baseline(cpu)\n"
+        "x = torch.ones(100 * 2**20, dtype=torch.uint8); del x\n"
+        "call = memory_baseline(cpu, reset=True)\n"
+        "x = torch.ones(100 * 2**20, dtype=torch.uint8)\n"
+        "print(peak_memory_since(cpu, run), peak_memory_since(cpu, call), int(x.sum()))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    run, call, total = map(int, out.stdout.split())
+    assert run < 20 * 2**20 and call >= 90 * 2**20 and total == 100 * 2**20, out.stdout
+
+
+@LINUX
 def test_peak_memory_of_a_run_does_not_include_the_parent_that_spawned_it():
     # ru_maxrss survives vfork + exec: a child of a 400 MiB parent would start at 400 MiB, and an
     # `aftlab compare` run (a child of compare) would report 0 above its baseline
