@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from aftlab.train.checkpoint import latest_checkpoint
 from aftlab.train.config import load_config
+from aftlab.train.errors import UsageError
 from aftlab.train.trainer import Trainer
 
 from .helpers import ENV, TINY, run_aftlab, write_text
@@ -64,6 +65,21 @@ def test_training_lowers_the_loss_and_writes_the_run(tmp_path, capsys):
     ]
     out = capsys.readouterr().out
     assert "test bpb:" in out and "--- sample ---" in out
+
+
+def test_a_device_the_machine_lacks_stops_the_trainer_before_the_run_folder(
+    tmp_path, monkeypatch
+):
+    """The trainer's one device check (no other before it) knows how many GPUs there are."""
+    counted = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: counted.append(1) or 1)
+    cfg = _config(tmp_path, "device='cuda:3'")
+    with pytest.raises(
+        UsageError, match=r"'cuda:3' but this machine has 1 CUDA device\(s\): cuda:0 \.\. cuda:0"
+    ):
+        Trainer(cfg, run_dir=tmp_path / "run").fit()
+    assert counted == [1] and not (tmp_path / "run").exists()
 
 
 def test_gradient_accumulation_matches_one_big_batch(tmp_path):
