@@ -24,7 +24,7 @@ import sys
 import numpy as np
 import torch
 
-from aftlab.train.errors import UsageError
+from aftlab.errors import UsageError
 from aftlab.train.run import load_run
 from aftlab.train.trainer import forward_batch
 

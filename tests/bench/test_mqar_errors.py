@@ -67,7 +67,7 @@ def test_on_a_trained_run_the_all_row_is_the_test_accuracy_aftlab_eval_reports(
 
 def test_a_run_of_another_task_is_refused(tmp_path, benchmark_script):
     from aftlab.cli import main
-    from aftlab.train.errors import UsageError
+    from aftlab.errors import UsageError
 
     from ..train.helpers import TINY, write_text
 

@@ -254,3 +254,17 @@ def test_a_registered_class_is_the_only_edit_the_lists_need(toy):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     passed = int(re.search(r"(\d+) passed", summary).group(1))
     assert passed >= 20 and "failed" not in summary, summary
+
+
+def test_config_options_name_known_values():
+    """A mixer's ``config_options`` are names of ``CONFIG_OPTIONS``; another name is refused."""
+    from aftlab.models.blocks import CONFIG_OPTIONS, mixer_from_config
+
+    for name in available_mixers():
+        assert set(get_mixer_class(name).config_options) <= set(CONFIG_OPTIONS), name
+    with _temporary_name("zz-test-options") as name:
+        cls = register_mixer(name)(type("Odd", (_identity_class(),), {"config_options": ("x",)}))
+        assert cls.config_options == ("x",)
+        config = TransformerConfig(vocab_size=5, d_model=8, n_layers=1, n_heads=2, mixer=name)
+        with pytest.raises(ValueError, match=r"config_options \['x'\] are not config options"):
+            mixer_from_config(config)

@@ -3,6 +3,7 @@ import json
 import pytest
 import torch
 
+from aftlab.errors import UsageError
 from aftlab.train.checkpoint import (
     RunLock,
     latest_checkpoint,
@@ -13,7 +14,6 @@ from aftlab.train.checkpoint import (
     set_rng_state,
     verify_checkpoint,
 )
-from aftlab.train.errors import UsageError
 
 
 class Tied(torch.nn.Module):

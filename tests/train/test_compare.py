@@ -8,6 +8,7 @@ from aftlab.cli import main
 from aftlab.train.compare import format_table, unigram_baseline
 
 from .helpers import TINY, write_text
+from .test_compare_outcomes import child  # noqa: F401 (a fixture)
 
 
 class _Counts:
@@ -112,3 +113,48 @@ def test_a_plot_that_cannot_be_drawn_is_a_line_on_stderr(tmp_path, monkeypatch, 
     err = capsys.readouterr().err
     assert err.startswith("aftlab compare: no throughput.png: plotting needs matplotlib")
     assert not (tmp_path / "throughput.png").exists()
+
+
+@pytest.mark.usefixtures("child")
+def test_the_rate_is_chosen_on_the_summaries_validation_metric(tmp_path, monkeypatch):
+    """Each run's summary.json carries its final validation metric, equal to evaluating its final
+    checkpoint (the computation compare made before); compare chooses the rate on it without
+    loading a checkpoint. A summary without it (aftlab 0.1.0) falls back to that evaluation."""
+    from aftlab.train import run as run_mod
+    from aftlab.train.config import load_config
+    from aftlab.train.trainer import evaluate
+
+    load_run = run_mod.load_run
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("compare loaded a checkpoint to choose a rate")
+
+    monkeypatch.setattr(run_mod, "load_run", refuse)
+    data = write_text(tmp_path / "data.txt", 20_000)
+    out = tmp_path / "cmp"
+    args = ["compare", "--data", str(data), "--mixers", "aft-simple", "--steps", "3"]
+    args += ["--lrs", "1e-3,3e-2", "--out", str(out), *TINY, "--set", "sample_tokens=0"]
+    assert main(args) == 0
+    monkeypatch.setattr(run_mod, "load_run", load_run)
+    results = json.loads((out / "results.json").read_text())
+    row = results["rows"][0]
+    direct = {}
+    for lr in ("0.001", "0.03"):
+        run_dir = out / "aft-simple" / f"lr{lr}-seed0"
+        cfg, run = load_config(run_dir / "config.toml"), load_run(run_dir)
+        res = evaluate(
+            run.model, run.task, "val", batch_size=cfg.eval_batch_size, max_batches=cfg.eval_batches
+        )
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert (summary["val_loss"], summary["val_bpb"]) == (res["loss"], res["bpb"])
+        assert not (run_dir / "val.json").exists()
+        direct[float(lr)] = res["bpb"]
+    assert row["val_by_lr"] == {"0.001": direct[1e-3], "0.03": direct[3e-2]}
+    assert row["lr"] == min(direct, key=direct.get) and direct[1e-3] != direct[3e-2]
+    old = out / "aft-simple" / "lr0.03-seed0"  # as aftlab 0.1.0 wrote it
+    summary = json.loads((old / "summary.json").read_text())
+    del summary["val_loss"], summary["val_bpb"]
+    (old / "summary.json").write_text(json.dumps(summary))
+    assert main(args) == 0
+    assert json.loads((out / "results.json").read_text()) == results
+    assert json.loads((old / "val.json").read_text())["bpb"] == direct[3e-2]

@@ -9,23 +9,24 @@ from types import SimpleNamespace
 import pytest
 
 from aftlab.cli import main
+from aftlab.errors import UsageError
 from aftlab.train import compare
 from aftlab.train.config import TrainConfig
-from aftlab.train.errors import UsageError
 
 from .helpers import TINY, write_text
 
 
 def _task(metric: str) -> SimpleNamespace:
-    return SimpleNamespace(
-        name="fake",
-        kind="lm",
-        metric=metric,
-        vocab_size=32,
-        seq_len=16,
-        num_classes=None,
-        image_shape=None,
-    )
+    info = {
+        "task": "fake",
+        "kind": "lm",
+        "vocab_size": 32,
+        "num_classes": None,
+        "seq_len": 16,
+        "metric": metric,
+        "image_shape": None,
+    }
+    return SimpleNamespace(**info, name="fake", info=lambda: info)  # a Task's attributes
 
 
 @pytest.fixture
@@ -45,6 +46,7 @@ def fake(monkeypatch):
             return {
                 "parameters": compare.count_parameters(cfg, task),
                 "metric": metric,
+                f"val_{metric}": val_by_lr[cfg.lr] + 0.01 * cfg.seed,
                 f"test_{metric}": test_by_lr[cfg.lr] + 0.01 * cfg.seed,
                 "test_loss": 1.0,
                 "train_tokens_per_s": 100.0,
@@ -53,7 +55,7 @@ def fake(monkeypatch):
             }
 
         def validate(cfg, run_dir):
-            return {"loss": 1.0, metric: val_by_lr[cfg.lr] + 0.01 * cfg.seed}
+            raise AssertionError("the summary carries the validation metric")
 
         monkeypatch.setattr(compare, "_train_one", train_one)
         monkeypatch.setattr(compare, "_validate", validate)
@@ -141,7 +143,7 @@ def test_equal_params_lands_within_half_a_d_ff_unit(tmp_path):
     base = _base(data=str(write_text(tmp_path / "d.txt", 4_000)))
     task = compare.build_task(base)
     target = compare.count_parameters(base.replace(mixer="attention"), task)
-    d, n = base.model.d_model, base.model.n_layers
+    d, n = base.model["d_model"], base.model["n_layers"]
     tol = n * (2 * d + 1) / 2  # one d_ff unit: a row of W_1, a column of W_2, a bias of b_1
     far = 0
     for mixer in compare.default_mixers():
@@ -150,9 +152,9 @@ def test_equal_params_lands_within_half_a_d_ff_unit(tmp_path):
         matched, count = compare.match_parameters(cfg, task, target)
         assert abs(count - target) <= tol, (mixer, count, target)
         # the meta-device count is the built model's
-        from aftlab.train.build import build_model, model_config_for, task_info
+        from aftlab.train.build import build_model, model_config_for
 
-        model = build_model(model_config_for(matched, task), task_info(task))
+        model = build_model(model_config_for(matched, task), task.info())
         assert sum(p.numel() for p in model.parameters()) == count
     assert far >= 2  # aft-full/aft-local (position bias) and aft-conv differ before matching
 
@@ -162,8 +164,8 @@ def test_equal_params_reaches_the_runs(fake, tmp_path):
     out = tmp_path / "cmp"
     table = compare.run_compare(_base(), ["attention", "aft-full"], out, equal_params=True)
     rows = _rows(out)
-    assert calls[0].model.d_ff == 64 and calls[1].model.d_ff < 64
-    assert rows["aft-full"]["d_ff"] == calls[1].model.d_ff
+    assert calls[0].model["d_ff"] == 64 and calls[1].model["d_ff"] < 64
+    assert rows["aft-full"]["d_ff"] == calls[1].model["d_ff"]
     assert abs(rows["aft-full"]["parameters"] - rows["attention"]["parameters"]) <= 2 * (32 + 1) / 2
     assert "| d_ff |" in table
 
@@ -184,8 +186,10 @@ def test_seeds_give_different_runs(tmp_path):
     ]
     assert row["test_metric_values"] == tests and tests[0] != tests[1]
     assert row["test_metric_std"] == pytest.approx(abs(tests[0] - tests[1]) / math.sqrt(2))
-    for s in (0, 1):
-        assert (out / "aft-simple" / f"lr0.01-seed{s}" / "val.json").is_file()
+    runs = [out / "aft-simple" / f"lr0.01-seed{s}" for s in (0, 1)]
+    vals = [json.loads((run / "summary.json").read_text())["val_bpb"] for run in runs]
+    assert row["val_metric"] == pytest.approx(sum(vals) / 2) and vals[0] != vals[1]
+    assert not list(out.rglob("val.json"))  # read from the summaries, no checkpoint reloaded
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
+from aftlab.errors import UsageError
 from aftlab.train.compare import run_compare
-from aftlab.train.errors import UsageError
 from aftlab.train.plot import plot_throughput
 
 from .test_trainer import _config

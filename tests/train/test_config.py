@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from aftlab._checks import did_you_mean
+from aftlab.errors import UsageError
 from aftlab.models import TransformerConfig
 from aftlab.train.build import model_config_for
 from aftlab.train.config import (
@@ -16,7 +17,6 @@ from aftlab.train.config import (
     resume_conflicts,
     to_toml,
 )
-from aftlab.train.errors import UsageError
 
 
 def test_defaults_are_valid_and_round_trip_through_dict_and_toml(tmp_path):
@@ -30,31 +30,41 @@ def test_defaults_are_valid_and_round_trip_through_dict_and_toml(tmp_path):
     assert load_config(path, values={"steps": 7}) == cfg.replace(steps=7)
 
 
-def test_model_is_a_typed_transformer_config_with_the_mixer_inside():
+def test_the_config_holds_the_settings_as_the_file_writes_them():
     cfg = TrainConfig.from_dict(
         {"seq_len": 32, "mixer": "aft-local", "mixer_options": {"window": 4}, "model": {"d_ff": 5}}
     )
-    assert isinstance(cfg.model, TransformerConfig)
-    assert cfg.model == dataclasses.replace(
-        default_model(), max_seq_len=32, mixer="aft-local", mixer_options={"window": 4}, d_ff=5
-    )
+    # [model] is the table, every key of it (the defaults filled in), nothing of the task's
+    assert cfg.model == {**default_model(), "d_ff": 5}
+    assert set(cfg.model) == {f.name for f in dataclasses.fields(TransformerConfig)} - {
+        "max_seq_len",
+        "mixer",
+        "mixer_options",
+        "vocab_size",
+        "causal",
+    }
     assert (cfg.seq_len, cfg.mixer, cfg.mixer_options) == (32, "aft-local", {"window": 4})
-    # replace takes the file's top-level spellings and puts them into the model
     other = cfg.replace(mixer="aft-full", mixer_options={}, seq_len=8, lr=1e-3)
-    assert (other.model.mixer, other.model.mixer_options, other.model.max_seq_len) == (
-        "aft-full",
-        {},
-        8,
-    )
-    assert other.model.d_ff == 5 and other.lr == 1e-3 and cfg.model.mixer == "aft-local"
+    assert (other.mixer, other.mixer_options, other.seq_len) == ("aft-full", {}, 8)
+    assert other.model["d_ff"] == 5 and other.lr == 1e-3 and cfg.mixer == "aft-local"
+    # a model table given to replace refines this config's
+    assert cfg.replace(model={"n_layers": 2}).model == {**cfg.model, "n_layers": 2}
     # the file keeps the layout users know: no max_seq_len, vocab_size or causal in [model]
     d = cfg.to_dict()
     assert (d["seq_len"], d["mixer"], d["mixer_options"]) == (32, "aft-local", {"window": 4})
-    assert not {"max_seq_len", "mixer", "mixer_options", "vocab_size", "causal"} & set(d["model"])
-    # the Python API takes a typed model, not a table
-    with pytest.raises(UsageError, match="'model' must be of type TransformerConfig, got dict"):
-        TrainConfig(model={"d_model": 64})
-    assert TrainConfig(model=TransformerConfig(d_model=8, n_heads=2)).model.d_model == 8
+    assert d["model"] == cfg.model
+    # the Python API takes the table, refining the defaults, and checks its keys and values
+    assert TrainConfig(model={"d_model": 8, "n_heads": 2}).model == {
+        **default_model(),
+        "d_model": 8,
+        "n_heads": 2,
+    }
+    with pytest.raises(UsageError, match="'model' must be of type dict, got TransformerConfig"):
+        TrainConfig(model=TransformerConfig(d_model=64))
+    with pytest.raises(UsageError, match=r"^config: unknown key 'model.causal' \(it is set by"):
+        TrainConfig(model={"causal": False})
+    with pytest.raises(UsageError, match=r"^config: \[model\]: .*'n_heads' must be a divisor"):
+        TrainConfig(model={"d_model": 30})
 
 
 def test_toml_file_tables_and_overrides(tmp_path):
@@ -75,7 +85,7 @@ def test_toml_file_tables_and_overrides(tmp_path):
         ],
     )
     assert cfg.task == "digits" and cfg.mixer == "aft-local" and cfg.compile is True
-    assert (cfg.model.d_model, cfg.model.n_layers, cfg.model.n_heads) == (32, 2, 4)
+    assert (cfg.model["d_model"], cfg.model["n_layers"], cfg.model["n_heads"]) == (32, 2, 4)
     assert cfg.lr == 3e-4 and isinstance(cfg.lr, float)
     assert cfg.betas == [0.8, 0.99] and cfg.mixer_options == {"window": 6} and cfg.out == "runs/x"
 
@@ -147,15 +157,9 @@ def test_old_spellings_and_old_run_folders_still_load(tmp_path):
         '[model]\n"d_model" = 32\n"n_layers" = 3\n"n_heads" = 4\n"norm" = "post"\n'
     )
     cfg = load_config(old)
-    want = dataclasses.replace(
-        default_model(),
-        d_model=32,
-        norm="post",
-        max_seq_len=64,
-        mixer="aft-local",
-        mixer_options={"window": 8},
-    )
+    want = {**default_model(), "d_model": 32, "norm": "post"}
     assert cfg.model == want and cfg.steps == 9
+    assert (cfg.seq_len, cfg.mixer, cfg.mixer_options) == (64, "aft-local", {"window": 8})
     saved = {  # config.json's "train" of that run
         "task": "text",
         "seq_len": 64,
@@ -166,13 +170,18 @@ def test_old_spellings_and_old_run_folders_still_load(tmp_path):
     }
     assert TrainConfig.from_dict(saved) == cfg
     assert resume_conflicts(saved, cfg.replace(steps=20)) == []  # steps may change
-    assert resume_conflicts(saved, cfg.replace(model=dataclasses.replace(cfg.model, d_ff=7))) == [
+    assert resume_conflicts(saved, cfg.replace(model={"d_ff": 7})) == [
         "model.d_ff is None there but 7 here"
     ]
     cli = load_config(
         None, ["mixer=aft-local", "model.d_model=32", "mixer_options.window=8", "seq_len=64"]
     )
-    assert cli.model == dataclasses.replace(want, norm="pre")
+    assert (cli.model, cli.seq_len, cli.mixer, cli.mixer_options) == (
+        {**want, "norm": "pre"},
+        64,
+        "aft-local",
+        {"window": 8},
+    )
 
 
 @pytest.mark.parametrize(
@@ -214,6 +223,14 @@ def test_the_task_fills_vocabulary_context_causality_and_the_options_it_provides
     tc = model_config_for(cfg, task)
     assert (tc.vocab_size, tc.max_seq_len, tc.causal, tc.mixer) == (10, 64, False, "aft-conv")
     assert tc.mixer_options == {"grid": (8, 8)} and tc.d_model == 16
+    assert tc == TransformerConfig(
+        **cfg.model,
+        vocab_size=10,
+        max_seq_len=64,
+        mixer="aft-conv",
+        mixer_options={"grid": (8, 8)},
+        causal=False,
+    )
     own = model_config_for(cfg.replace(mixer_options={"grid": [4, 16]}), task)
     assert own.mixer_options == {"grid": [4, 16]}  # the config's own grid wins
     lm = SimpleNamespace(vocab_size=256, seq_len=32, kind="lm", grid=None)
@@ -272,4 +289,6 @@ def test_replace_checks_keys_and_names_seq_len_like_the_file_does():
         c.replace(sqe_len=64)
     with pytest.raises(UsageError, match=r"^config: 'seq_len' must be > 0, got 0 \(fix it"):
         c.replace(seq_len=0)
-    assert c.replace(seq_len=64, steps=3).model.max_seq_len == 64
+    with pytest.raises(UsageError, match="^config: 'seq_len' must be of type int, got str '64'"):
+        c.replace(seq_len="64")
+    assert (c.replace(seq_len=64, steps=3).seq_len, c.seq_len) == (64, 128)

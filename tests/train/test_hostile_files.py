@@ -185,9 +185,9 @@ def test_a_nested_metrics_line_is_skipped_on_resume_and_plot(run, capsys):
 
 
 def test_a_damaged_compare_cache_is_one_line(run):
+    from aftlab.errors import UsageError
     from aftlab.train.compare import _validate
     from aftlab.train.config import load_config
-    from aftlab.train.errors import UsageError
 
     (run / "val.json").write_bytes(NESTED)
     with pytest.raises(UsageError, match=r"val.json' is unreadable \(nested too deeply\)"):

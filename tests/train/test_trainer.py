@@ -12,9 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from aftlab.errors import UsageError
+from aftlab.models import TransformerLM
+from aftlab.train.build import build_task, model_config_for
 from aftlab.train.checkpoint import latest_checkpoint
 from aftlab.train.config import load_config
-from aftlab.train.errors import UsageError
+from aftlab.train.run import load_run
 from aftlab.train.trainer import Trainer
 
 from .helpers import ENV, TINY, run_aftlab, write_text
@@ -65,6 +68,40 @@ def test_training_lowers_the_loss_and_writes_the_run(tmp_path, capsys):
     ]
     out = capsys.readouterr().out
     assert "test bpb:" in out and "--- sample ---" in out
+
+
+def test_a_run_stores_the_task_once_and_the_model_config_built_for_it(tmp_path):
+    cfg = _config(tmp_path, "steps=1")
+    Trainer(cfg, run_dir=tmp_path / "run").fit()
+    saved = json.loads((latest_checkpoint(tmp_path / "run") / "config.json").read_text())
+    task = build_task(cfg)
+    info = json.loads((tmp_path / "run" / "task.json").read_text())
+    assert info == saved["task"] == json.loads(json.dumps(task.info()))
+    assert (info["task"], info["image_shape"], info["seed"]) == ("text", None, 0)
+    assert saved["model"] == model_config_for(cfg, task).to_dict()
+    assert saved["train"] == cfg.to_dict()
+
+
+def test_a_checkpoint_with_the_earlier_task_layout_still_loads(tmp_path):
+    """Checkpoints of 0.1.0 and of the versions before one task description stored this."""
+    from .test_hostile_files import _edit_config
+
+    cfg = _config(tmp_path, "steps=1")
+    Trainer(cfg, run_dir=tmp_path / "run").fit()
+    old = {
+        "name": "text",
+        "kind": "lm",
+        "vocab_size": 256,
+        "num_classes": None,
+        "seq_len": 16,
+        "metric": "bpb",
+        "image_shape": None,
+    }
+    _edit_config(latest_checkpoint(tmp_path / "run"), lambda c: c.update(task=old))
+    run = load_run(tmp_path / "run")
+    assert type(run.model) is TransformerLM and run.step == 1
+    resumed = Trainer(cfg.replace(steps=2), run_dir=tmp_path / "run", resume=True).fit()
+    assert resumed["steps"] == 2 and resumed["resumed_from"] == 1
 
 
 def test_a_device_the_machine_lacks_stops_the_trainer_before_the_run_folder(

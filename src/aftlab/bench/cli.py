@@ -8,7 +8,7 @@ import argparse
 import dataclasses
 from functools import partial
 
-from ..train.errors import UsageError
+from ..errors import UsageError
 from .cases import cases
 from .runner import BenchConfig, kind, run_bench
 

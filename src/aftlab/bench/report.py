@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from .._json import dumps
-from ..train.errors import UsageError
-from ..train.plot import pyplot
+from .._plotting import pyplot
+from ..errors import UsageError
 
 __all__ = ["ratios", "summary_markdown", "write_report", "ROW_FIELDS", "CSV_FIELDS"]
 

@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``aftlab`` with ``argv`` (default ``sys.argv[1:]``); return the exit status."""
-    from ..train.errors import UsageError
+    from ..errors import UsageError
 
     args = build_parser().parse_args(argv)
     user_errors: tuple[type[BaseException], ...] = (UsageError,)

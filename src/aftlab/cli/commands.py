@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from ..data.base import check_input_path
-from ..train.errors import UsageError
+from ..errors import UsageError
 from ..train.outcome import EXIT_STATUS, reports_outcome, write_outcome
 
 

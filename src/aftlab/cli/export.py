@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..train.errors import UsageError
+from ..errors import UsageError
 from .commands import add_command, check_out_dir
 
 

@@ -242,7 +242,9 @@ class Task:
         raise NotImplementedError
 
     def info(self) -> dict[str, Any]:
-        """Name, source, split sizes and settings, for logs and the saved run config."""
+        """The task's one description: name, kind, sizes, metric, seed, then (subclasses) source,
+        split sizes and settings; what a model is built from (``kind``, ``num_classes``,
+        ``image_shape``), a run's ``task.json`` and its checkpoints' ``task``."""
         return {
             "task": self.name,
             "kind": self.kind,
@@ -250,6 +252,7 @@ class Task:
             "num_classes": self.num_classes,
             "seq_len": self.seq_len,
             "metric": self.metric,
+            "image_shape": self.image_shape,
             "seed": self.seed,
         }
 

@@ -104,7 +104,6 @@ class ImageTask(Task):
         out.update(
             source=self.source,
             split_images={k: len(v) for k, v in self.images.items()},
-            image_shape=self.image_shape,
             grid=self.grid,
             split_rule=self.split_rule,
         )

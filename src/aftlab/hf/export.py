@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
+from ..errors import UsageError
 from ..models.transformer import TransformerLM
-from ..train.errors import UsageError
 from ..train.run import load_run
 from .configuration import AftlabConfig
 from .modeling import AftlabForCausalLM

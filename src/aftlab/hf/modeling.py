@@ -36,9 +36,9 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.utils import ModelOutput
 
 from .._checks import check_state_dtypes, check_tokens
+from ..errors import reason
 from ..models.generation import DecodingCache
 from ..models.transformer import TransformerLM
-from ..train.errors import reason
 from .configuration import AftlabConfig
 
 __all__ = ["AftlabForCausalLM", "AftlabCausalLMOutput"]

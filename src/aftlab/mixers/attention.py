@@ -20,7 +20,6 @@ memory-efficient kernels where available); ``"attention-naive"`` is the same mod
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -29,9 +28,6 @@ from torch import nn
 from .._checks import check_positive_int
 from .base import GROWS, SequenceMixer, mark_residual_projection
 from .registry import register_mixer
-
-if TYPE_CHECKING:
-    from ..models.config import TransformerConfig
 
 __all__ = [
     "MultiHeadAttention",
@@ -197,16 +193,7 @@ class MultiHeadAttention(SequenceMixer):
         torch.Size([2, 5, 32])
     """
 
-    @classmethod
-    def from_config(cls, config: TransformerConfig, *, layer_idx: int = 0) -> MultiHeadAttention:
-        """:meth:`SequenceMixer.from_config` plus the config's attention fields: ``head_dim``
-        (``config.resolved_head_dim``), ``scaled`` and ``rotary`` (``positional="rotary"``)."""
-        return cls._from_config(
-            config,
-            head_dim=config.resolved_head_dim,
-            scaled=config.scaled,
-            rotary=config.positional == "rotary",
-        )
+    config_options = ("head_dim", "scaled", "rotary")
 
     def __init__(
         self,

@@ -23,8 +23,9 @@ Conventions:
       ``forward`` -> :meth:`SequenceMixer._forward`, ``prefill`` ->
       :meth:`SequenceMixer._prefill`, ``init_state`` -> :meth:`SequenceMixer._init_state`,
       ``step`` -> :meth:`SequenceMixer._step`. A block of a model calls the hooks of ``prefill``
-      and ``step`` itself: the model's entry points have validated their inputs. A model builds
-      its mixers with :meth:`SequenceMixer.from_config`.
+      and ``step`` itself: the model's entry points have validated their inputs. A mixer takes
+      plain keyword arguments and knows nothing of models; a model builds its mixers from its
+      config with :func:`aftlab.models.blocks.mixer_from_config`.
     * Initialisation: a model built on mixers (:mod:`aftlab.models`) first initialises every
       ``nn.Linear`` the GPT-2 way (weights ``N(0, 0.02^2)``, biases 0; the linear layers marked
       with :func:`mark_residual_projection` ``N(0, (0.02 / sqrt(2 N))^2)``), then calls each
@@ -37,15 +38,12 @@ from __future__ import annotations
 import dataclasses
 import operator
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import nn
 
 from .._checks import check_floating_dtype, check_padding_mask, check_positive_int, check_tensor
-
-if TYPE_CHECKING:
-    from ..models.config import TransformerConfig
 
 __all__ = [
     "SequenceMixer",
@@ -65,18 +63,9 @@ _RESIDUAL = "residual_projection"
 #: key-value cache's capacity); :meth:`SequenceMixer.check_state` leaves their size free
 GROWS = "grows"
 
-#: the constructor arguments every mixer takes; :meth:`SequenceMixer.from_config` fills them from
-#: the config fields of the same names
+#: the constructor arguments every mixer takes (a model fills them from its config fields of the
+#: same names)
 COMMON_ARGS = ("d_model", "n_heads", "causal", "max_seq_len", "dropout", "bias")
-
-#: config fields only some mixers honour: how each shows and whether the config asks for it
-#: (a value a mixer without the option could not deliver)
-_CONFIG_OPTIONS = {
-    "head_dim": lambda c: (f"head_dim={c.head_dim}", c.n_heads * c.resolved_head_dim != c.d_model),
-    "scaled": lambda c: ("scaled=False", not c.scaled),
-    "rotary": lambda c: ("positional='rotary'", c.positional == "rotary"),
-}
-
 
 def mark_residual_projection(layer: nn.Linear) -> nn.Linear:
     """Mark ``layer`` as the last linear layer of a residual branch; returns ``layer``.
@@ -159,6 +148,10 @@ class SequenceMixer(nn.Module):
     #: True for mixers that cannot see past ``max_seq_len`` positions, forward or decoding
     #: (a ``T_max x T_max`` position bias); callers such as ``generate`` check it up front.
     length_limited: ClassVar[bool] = False
+    #: options a model fills from its config besides :data:`COMMON_ARGS`, by name (attention:
+    #: ``("head_dim", "scaled", "rotary")``; ``aft-decay``: ``("layer_idx", "n_layers")``); what
+    #: each name means: :data:`aftlab.models.blocks.CONFIG_OPTIONS`
+    config_options: ClassVar[tuple[str, ...]] = ()
     #: options a task may fill when the config does not set them (``aft-conv``: ``("grid",)``,
     #: the image shape of a pixel task)
     options_from_task: ClassVar[tuple[str, ...]] = ()
@@ -193,57 +186,6 @@ class SequenceMixer(nn.Module):
         self.max_seq_len = max_seq_len
         self.dropout_p = float(dropout)
         self.bias = bool(bias)
-
-    # ----------------------------------------------------------------- construction
-    @classmethod
-    def from_config(cls, config: TransformerConfig, *, layer_idx: int = 0) -> SequenceMixer:
-        """Build this mixer for block ``layer_idx`` of a model configured by ``config``.
-
-        The common arguments (:data:`COMMON_ARGS`) come from the config fields of the same
-        names, the mixer's own from ``config.mixer_options``. A mixer overrides this only to
-        add what it takes from the rest of the config, as ``cls._from_config(config, **options)``
-        (attention: ``head_dim``, ``scaled``, ``rotary``; ``aft-decay``: ``layer_idx``,
-        ``n_layers``).
-
-        The config's attention fields reach only a mixer that takes them; with any other,
-        ``positional="rotary"``, ``scaled=False`` or a ``head_dim`` other than
-        ``d_model / n_heads`` ask for what it cannot do.
-
-        Raises:
-            ValueError: ``mixer_options`` repeating an argument the config sets; an attention
-                field the mixer does not take; an option the mixer does not know.
-        """
-        return cls._from_config(config)
-
-    @classmethod
-    def _from_config(cls, config: TransformerConfig, **options: Any) -> SequenceMixer:
-        """:meth:`from_config` with ``options`` taken from the config by an override."""
-        own = dict(config.mixer_options)
-        clash = sorted(set(own) & {*COMMON_ARGS, *_CONFIG_OPTIONS, *options})
-        if clash:
-            raise ValueError(
-                f"TransformerConfig: mixer_options {clash} are TransformerConfig fields "
-                "(or derived from 'positional'); set them there, not in mixer_options"
-            )
-        for name, asked in _CONFIG_OPTIONS.items():
-            shown, needed = asked(config)
-            if needed and name not in options:
-                raise ValueError(
-                    f"TransformerConfig: {shown} needs a mixer that accepts '{name}' "
-                    f"(e.g. 'attention'); mixer {cls.name or cls.__name__!r} does not"
-                )
-        common = {name: getattr(config, name) for name in COMMON_ARGS}
-        return cls._create(**common, **own, **options)
-
-    @classmethod
-    def _create(cls, **kwargs: Any) -> SequenceMixer:
-        """``cls(**kwargs)``; an option the mixer does not know is a ``ValueError`` naming it."""
-        try:
-            return cls(**kwargs)
-        except TypeError as e:
-            if "unexpected keyword argument" in str(e):
-                raise ValueError(f"mixer {cls.name or cls.__name__!r}: {e}") from None
-            raise
 
     # ----------------------------------------------------------------- initialisation
     def reset_parameters(self) -> None:

@@ -73,10 +73,17 @@ def build_mixer(name: str, **kwargs: Any) -> SequenceMixer:
             ``dropout``, ``bias``: see :class:`~aftlab.mixers.SequenceMixer`) and the mixer's
             own options; an option the mixer does not know is a ``ValueError`` naming it.
 
-    A model builds its mixers from its config instead: :meth:`SequenceMixer.from_config`.
+    A model builds its mixers from its config instead:
+    :func:`aftlab.models.blocks.mixer_from_config`.
 
     Example:
         >>> from aftlab.mixers import build_mixer
         >>> m = build_mixer("attention", d_model=64, n_heads=4, causal=True)
     """
-    return get_mixer_class(name)._create(**kwargs)
+    cls = get_mixer_class(name)
+    try:
+        return cls(**kwargs)
+    except TypeError as e:
+        if "unexpected keyword argument" in str(e):
+            raise ValueError(f"mixer {name!r}: {e}") from None
+        raise

@@ -3,16 +3,74 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from .._checks import check_tensor
-from ..mixers import MixerState, SequenceMixer, get_mixer_class
-from ..mixers.base import mark_residual_projection
+from ..mixers import MixerState, SequenceMixer, build_mixer, get_mixer_class
+from ..mixers.base import COMMON_ARGS, mark_residual_projection
 from .config import TransformerConfig
 
-__all__ = ["FeedForward", "TransformerBlock"]
+__all__ = ["CONFIG_OPTIONS", "FeedForward", "TransformerBlock", "mixer_from_config"]
+
+#: The mixer options a model fills from its config, by the names a mixer declares in
+#: ``config_options``: ``(config, layer_idx) -> value``.
+CONFIG_OPTIONS: dict[str, Callable[[TransformerConfig, int], Any]] = {
+    "head_dim": lambda c, i: c.resolved_head_dim,
+    "scaled": lambda c, i: c.scaled,
+    "rotary": lambda c, i: c.positional == "rotary",
+    "layer_idx": lambda c, i: i,  # depth-dependent initialisation (aft-decay)
+    "n_layers": lambda c, i: c.n_layers,
+}
+
+#: Config fields only some mixers honour: how each shows and whether the config asks for it
+#: (a value a mixer without the option could not deliver).
+_ASKED = {
+    "head_dim": lambda c: (f"head_dim={c.head_dim}", c.n_heads * c.resolved_head_dim != c.d_model),
+    "scaled": lambda c: ("scaled=False", not c.scaled),
+    "rotary": lambda c: ("positional='rotary'", c.positional == "rotary"),
+}
+
+
+def mixer_from_config(config: TransformerConfig, *, layer_idx: int = 0) -> SequenceMixer:
+    """The mixer of block ``layer_idx`` of a model configured by ``config``.
+
+    :func:`~aftlab.mixers.build_mixer` with the common arguments (``COMMON_ARGS``) from the
+    config fields of the same names, the options the mixer declares in ``config_options``
+    (:data:`CONFIG_OPTIONS`) and the mixer's own ``config.mixer_options``. The config's attention
+    fields reach only a mixer that takes them; with any other, ``positional="rotary"``,
+    ``scaled=False`` or a ``head_dim`` other than ``d_model / n_heads`` ask for what it cannot do.
+
+    Raises:
+        ValueError: ``mixer_options`` repeating an argument the config sets; an attention
+            field the mixer does not take; an option the mixer does not know.
+    """
+    cls = get_mixer_class(config.mixer)
+    unknown = sorted(set(cls.config_options) - set(CONFIG_OPTIONS))
+    if unknown:
+        raise ValueError(
+            f"mixer {config.mixer!r}: config_options {unknown} are not config options; known: "
+            f"{sorted(CONFIG_OPTIONS)}"
+        )
+    own = dict(config.mixer_options)
+    clash = sorted(set(own) & {*COMMON_ARGS, *_ASKED, *cls.config_options})
+    if clash:
+        raise ValueError(
+            f"TransformerConfig: mixer_options {clash} are TransformerConfig fields "
+            "(or derived from 'positional'); set them there, not in mixer_options"
+        )
+    for name, asked in _ASKED.items():
+        shown, needed = asked(config)
+        if needed and name not in cls.config_options:
+            raise ValueError(
+                f"TransformerConfig: {shown} needs a mixer that accepts '{name}' "
+                f"(e.g. 'attention'); mixer {config.mixer!r} does not"
+            )
+    common = {name: getattr(config, name) for name in COMMON_ARGS}
+    derived = {name: CONFIG_OPTIONS[name](config, layer_idx) for name in cls.config_options}
+    return build_mixer(config.mixer, **common, **own, **derived)
 
 
 class FeedForward(nn.Module):
@@ -51,8 +109,7 @@ class TransformerBlock(nn.Module):
 
     Args:
         config: the model config; the mixer is
-            ``get_mixer_class(config.mixer).from_config(config, layer_idx=layer_idx)``
-            (:meth:`~aftlab.mixers.SequenceMixer.from_config`).
+            ``mixer_from_config(config, layer_idx=layer_idx)`` (:func:`mixer_from_config`).
         layer_idx: the block's index in the stack (depth-dependent mixer initialisation).
 
     Shapes:
@@ -65,9 +122,7 @@ class TransformerBlock(nn.Module):
         super().__init__()
         d = self.d_model = config.d_model
         self.norm = config.norm
-        self.mixer: SequenceMixer = get_mixer_class(config.mixer).from_config(
-            config, layer_idx=layer_idx
-        )
+        self.mixer: SequenceMixer = mixer_from_config(config, layer_idx=layer_idx)
         self.ff = FeedForward(
             d,
             config.resolved_d_ff,

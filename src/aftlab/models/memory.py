@@ -21,6 +21,7 @@ from ..mixers.aft.full import AFTFull
 from ..mixers.aft.local import AFTLocal
 from ..mixers.aft.simple import AFTSimple
 from ..mixers.attention import MultiHeadAttention, NaiveMultiHeadAttention
+from .blocks import mixer_from_config
 from .config import TransformerConfig
 
 __all__ = [
@@ -92,7 +93,7 @@ def _mixer_parameters(config: TransformerConfig) -> int:
     if cls in _MIXER_PARAMETERS:
         return _MIXER_PARAMETERS[cls](config, cls)
     with torch.device("meta"):
-        return sum(p.numel() for p in cls.from_config(config).parameters())
+        return sum(p.numel() for p in mixer_from_config(config).parameters())
 
 
 def parameter_count(config: TransformerConfig, *, num_classes: int | None = None) -> int:

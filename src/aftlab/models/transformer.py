@@ -641,10 +641,7 @@ class PixelTransformer(nn.Module):
         nll = F.cross_entropy(logits.transpose(1, 2).float(), pixels, reduction="none")
         return nll.mean(dim=1) / math.log(2.0)
 
-    def init_cache(self, batch_size: int, **device_dtype) -> DecodingCache:
-        """The empty cache to decode from: :meth:`TransformerBackbone.init_cache` (keywords
-        ``device``, ``dtype``)."""
-        return self.backbone.init_cache(batch_size, **device_dtype)
+    init_cache = TransformerLM.init_cache  # the backbone's, as the LM's
 
     def prefill(
         self, pixels: torch.Tensor, *, logits_to_keep: int = 0

@@ -9,9 +9,9 @@ Example::
 See docs/training.md.
 """
 
+from ..errors import UsageError
 from .checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint
 from .config import TrainConfig, load_config
-from .errors import UsageError
 from .optim import build_optimizer, lr_at, param_groups
 from .run import load_run
 from .trainer import Trainer, evaluate

@@ -1,18 +1,23 @@
-"""Build the task and the model a :class:`TrainConfig` describes."""
+"""Build the task and the model a :class:`TrainConfig` describes.
+
+:func:`model_config_for` is the one place a run's :class:`TransformerConfig` is built, once the
+task is known; a checkpoint stores the result (``config.json``'s ``model``), which is what a
+loader builds the model from. The task is described by :meth:`aftlab.data.Task.info`: what
+:func:`build_model` reads, ``task.json`` and a checkpoint's ``task``.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 from torch import nn
 
 from .._checks import did_you_mean
+from ..errors import UsageError
 from ..models.config import TransformerConfig
 from ..models.memory import check_memory, estimate_memory, parameter_count
 from .config import TrainConfig
-from .errors import UsageError
 
 __all__ = ["build_task", "build_model", "model_config_for", "check_training_memory"]
 
@@ -38,12 +43,13 @@ def build_task(config: TrainConfig) -> Any:
 
 
 def model_config_for(config: TrainConfig, task: Any) -> TransformerConfig:
-    """The model's :class:`TransformerConfig`: ``config.model`` with what the task decides.
+    """The run's :class:`TransformerConfig`: the config's ``[model]``, ``mixer`` and
+    ``mixer_options``, with what the task decides.
 
-    One ``dataclasses.replace`` of ``config.model`` sets ``vocab_size`` (the task's),
-    ``max_seq_len`` (the task's ``seq_len``: an image fixes it), ``causal`` (``task.kind ==
-    "lm"``) and the mixer options the mixer takes from a task (its ``options_from_task``, e.g.
-    aft-conv's ``grid`` on digits classification) that the config does not set.
+    The task gives ``vocab_size``, ``max_seq_len`` (its ``seq_len``: an image fixes it),
+    ``causal`` (``task.kind == "lm"``) and the mixer options the mixer takes from a task (its
+    ``options_from_task``, e.g. aft-conv's ``grid`` on digits classification) that the config
+    does not set.
 
     Raises:
         UsageError: an unknown mixer (with the close names), a model the task's sizes make
@@ -64,12 +70,13 @@ def model_config_for(config: TrainConfig, task: Any) -> TransformerConfig:
         if getattr(task, name, None) is not None:
             options.setdefault(name, getattr(task, name))
     try:
-        return dataclasses.replace(
-            config.model,
+        return TransformerConfig(
+            **config.model,
             vocab_size=task.vocab_size,
             max_seq_len=task.seq_len,
-            causal=task.kind == "lm",
+            mixer=config.mixer,
             mixer_options=options,
+            causal=task.kind == "lm",
         )
     except (TypeError, ValueError) as e:
         raise UsageError(f"config: {e}") from None
@@ -80,7 +87,8 @@ def build_model(model_config: TransformerConfig, task_info: dict[str, Any]) -> n
 
     Args:
         model_config: from :func:`model_config_for` (or a checkpoint's ``config.json``).
-        task_info: ``kind``, ``num_classes`` and ``image_shape`` of the task.
+        task_info: the task's :meth:`~aftlab.data.Task.info` (or a checkpoint's ``task``):
+            its ``kind``, ``num_classes`` and ``image_shape`` are read.
 
     Raises:
         UsageError: the mixer rejects its options (e.g. an unknown option name).
@@ -138,16 +146,3 @@ def check_training_memory(
     except ValueError as e:
         raise UsageError(str(e)) from None
 
-
-def task_info(task: Any) -> dict[str, Any]:
-    """What :func:`build_model` and evaluation need to know about a task (JSON-serialisable)."""
-    shape = getattr(task, "image_shape", None)
-    return {
-        "name": task.name,
-        "kind": task.kind,
-        "vocab_size": task.vocab_size,
-        "num_classes": getattr(task, "num_classes", None),
-        "seq_len": task.seq_len,
-        "metric": task.metric,
-        "image_shape": list(shape) if shape is not None else None,
-    }

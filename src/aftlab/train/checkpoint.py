@@ -3,7 +3,8 @@
 Layout of one checkpoint, ``RUN/checkpoints/step_00000100/``:
 
 * ``model.safetensors``        the model weights (tied weights stored once), safetensors format;
-* ``config.json``              ``{"train": TrainConfig.to_dict(), "model": ..., "task": ...}``;
+* ``config.json``              ``{"train": TrainConfig.to_dict(), "model": ..., "task": ...}``:
+  the config as written, the TransformerConfig built from it, the task's ``info()``;
 * ``train_state.safetensors``  the tensors of the training state: optimizer moments, the torch
   and NumPy RNG states;
 * ``train_state.json``         the rest of it: step, tokens seen, optimizer hyper-parameters,
@@ -45,7 +46,7 @@ from torch import nn
 from .._checks import DTypeError, check_state_dtypes
 from .._files import fsync_path, sha256_file
 from .._json import dumps
-from .errors import READ_ERRORS, UsageError, reason
+from ..errors import READ_ERRORS, UsageError, reason
 
 try:
     import fcntl

@@ -23,7 +23,6 @@ Fair comparisons (docs/results.md, "aftlab compare"):
 from __future__ import annotations
 
 import csv
-import dataclasses
 import io
 import json
 import math
@@ -32,18 +31,18 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NamedTuple, TextIO
 
 import numpy as np
 import torch
 
 from .._checks import did_you_mean
 from .._json import dumps
+from ..errors import READ_ERRORS, UsageError, reason
 from ..mixers import available_mixers, get_mixer_class
-from .build import build_model, build_task, model_config_for, task_info
+from .build import build_model, build_task, model_config_for
 from .checkpoint import atomic_write_text
 from .config import TrainConfig, parse_override, to_toml
-from .errors import READ_ERRORS, UsageError, reason
 from .outcome import outcome_of, read_outcome
 from .plot import plot_loss_curves, plot_throughput
 
@@ -135,7 +134,7 @@ def count_parameters(config: TrainConfig, task: Any) -> int:
         UsageError: the mixer rejects its options.
     """
     with torch.device("meta"):
-        model = build_model(model_config_for(config, task), task_info(task))
+        model = build_model(model_config_for(config, task), task.info())
     return sum(p.numel() for p in model.parameters())
 
 
@@ -151,9 +150,9 @@ def match_parameters(config: TrainConfig, task: Any, target: int) -> tuple[Train
     """
 
     def with_d_ff(d_ff: int) -> TrainConfig:
-        return config.replace(model=dataclasses.replace(config.model, d_ff=d_ff))
+        return config.replace(model={"d_ff": d_ff})
 
-    d_ff0 = config.model.resolved_d_ff
+    d_ff0 = model_config_for(config, task).resolved_d_ff
     p0 = count_parameters(with_d_ff(d_ff0), task)
     step = count_parameters(with_d_ff(d_ff0 + 1), task) - p0
     d_ff = d_ff0 + round((target - p0) / step)
@@ -364,11 +363,18 @@ def _run_child(cmd: list[str]) -> tuple[int, bool]:
     return proc.returncode, stopped
 
 
-def _validate(config: TrainConfig, run_dir: Path) -> dict[str, float]:
-    """Validation loss and metric of a finished run (cached in ``val.json``).
+def _val_metric(summary: dict[str, Any], config: TrainConfig, run_dir: Path, metric: str) -> Any:
+    """A finished run's validation ``metric``: its summary's ``val_<metric>``, or for a summary
+    without one (aftlab 0.1.0) :func:`_validate`'s."""
+    key = f"val_{metric}"
+    return summary[key] if key in summary else _validate(config, run_dir)[metric]
 
-    The first ``eval_batches`` batches of the validation split, as the trainer's periodic
-    evaluation reads them; never the test split.
+
+def _validate(config: TrainConfig, run_dir: Path) -> dict[str, float]:
+    """Validation loss and metric of a finished run's final checkpoint (cached in ``val.json``).
+
+    The first ``eval_batches`` batches of the validation split, as the trainer's final
+    evaluation reads them (``summary.json``'s ``val_<metric>``); never the test split.
     """
     path = run_dir / "val.json"
     if path.is_file():
@@ -395,6 +401,239 @@ def _folder(label: str) -> str:
     return label.replace(":", "_").replace("/", "_")
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """What a compare trains: ``configs``, one per ``--mixers`` entry (by label, before its rate
+    and seed), at every rate of ``lrs`` and seed of ``seeds``; ``target`` is attention's
+    parameter count with ``--equal-params``, else None."""
+
+    base: TrainConfig
+    specs: list[MixerSpec]
+    configs: dict[str, TrainConfig]
+    task: Any
+    lrs: list[float]
+    seeds: list[int]
+    out_dir: Path
+    target: int | None
+
+    @property
+    def higher_better(self) -> bool:
+        return self.task.metric == "accuracy"
+
+    def run(self, label: str, lr: float, seed: int) -> tuple[TrainConfig, Path]:
+        """The config and run folder of entry ``label`` at rate ``lr`` and ``seed``."""
+        base, folder = self.base, self.out_dir / _folder(label)
+        single = len(self.lrs) == 1 and len(self.seeds) == 1
+        run_dir = folder if single else folder / f"lr{lr:g}-seed{seed}"
+        min_lr = base.min_lr if lr == base.lr else base.min_lr * (lr / base.lr)
+        cfg = self.configs[label].replace(lr=lr, min_lr=min_lr, seed=seed, out=str(run_dir))
+        return cfg, run_dir
+
+
+class _Run(NamedTuple):
+    """A finished run: its summary, validation metric and folder."""
+
+    summary: dict[str, Any]
+    val: Any
+    run_dir: Path
+
+
+def _parse_mixers(mixers: list[str]) -> list[MixerSpec]:
+    """The ``--mixers`` entries; an unknown mixer or a repeated entry is a :class:`UsageError`."""
+    specs = [parse_mixer_spec(m) for m in mixers]
+    names = available_mixers()
+    unknown = [sp.name for sp in specs if sp.name not in names]
+    if unknown:
+        raise UsageError(
+            f"unknown mixer {unknown[0]!r} in --mixers; {did_you_mean(unknown[0], names)}"
+            f"known mixers: {', '.join(names)}"
+        )
+    labels = [sp.label for sp in specs]
+    if len(set(map(_folder, labels))) != len(labels):
+        raise UsageError(f"--mixers {','.join(labels)} names a mixer twice")
+    return specs
+
+
+def _plan(
+    base: TrainConfig,
+    mixers: list[str],
+    out_dir: str | Path,
+    *,
+    seeds: int,
+    lrs: list[float] | None,
+    equal_params: bool,
+    sample: int,
+) -> _Plan:
+    """Check every option and build every model (on the meta device) before any training."""
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+        raise UsageError(f"--seeds must be a positive integer, got {seeds!r}")
+    lrs = list(lrs) if lrs else [base.lr]
+    specs = _parse_mixers(mixers)
+    task = build_task(base)  # fails early on bad data, before any training
+    check_sample(sample, task)
+    configs = {}
+    target = None
+    if equal_params:
+        target = count_parameters(base.replace(mixer="attention", mixer_options={}), task)
+    for sp in specs:
+        cfg = base.replace(mixer=sp.name, mixer_options=sp.options, sample_tokens=0)
+        if equal_params:
+            cfg, _ = match_parameters(cfg, task, target)
+        else:
+            count_parameters(cfg, task)
+        configs[sp.label] = cfg
+    seed_list = [base.seed + i for i in range(seeds)]
+    return _Plan(base, specs, configs, task, lrs, seed_list, Path(out_dir), target)
+
+
+def _train_rates(plan: _Plan, label: str) -> dict[float, list[_Run] | None]:
+    """Train entry ``label`` at every rate and seed: each rate's runs, None where one diverged."""
+    runs: dict[float, list[_Run] | None] = {}
+    for lr in plan.lrs:
+        done: list[_Run] | None = []
+        for seed in plan.seeds:
+            cfg, run_dir = plan.run(label, lr, seed)
+            summary = _train_one(cfg, run_dir)
+            if summary is None:
+                done = None  # a diverged seed: this rate is out
+                continue
+            if done is not None:
+                val = _val_metric(summary, cfg, run_dir, plan.task.metric)
+                done.append(_Run(summary, val, run_dir))
+        runs[lr] = done
+    return runs
+
+
+def _train_and_select(plan: _Plan, spec: MixerSpec) -> tuple[dict[str, Any], Path]:
+    """Train ``spec`` at every rate, choose the rate on validation: its row and first run folder.
+
+    Raises:
+        UsageError: it diverged at every rate.
+    """
+    runs = _train_rates(plan, spec.label)
+    val_by_lr = {
+        lr: (None if r is None else spread([run.val for run in r])["mean"])
+        for lr, r in runs.items()
+    }
+    scored = [lr for lr in plan.lrs if val_by_lr[lr] is not None]
+    if not scored:
+        raise UsageError(
+            f"{spec.label} diverged at every learning rate {plan.lrs}; try lower --lrs "
+            f"(runs in {plan.out_dir / _folder(spec.label)})"
+        )
+    sign = -1.0 if plan.higher_better else 1.0
+    best = min(scored, key=lambda lr: sign * val_by_lr[lr])  # first of equals
+    chosen = runs[best]
+    summaries = [run.summary for run in chosen]
+    test = spread([s[f"test_{s['metric']}"] for s in summaries])
+    val = spread([run.val for run in chosen])
+    row = {
+        "mixer": spec.label,
+        "parameters": summaries[0]["parameters"],
+        "d_ff": model_config_for(plan.configs[spec.label], plan.task).resolved_d_ff,
+        "lr": best,
+        "seeds": plan.seeds,
+        "val_by_lr": {f"{lr:g}": v for lr, v in val_by_lr.items()},
+        "val_metric": val["mean"],
+        "val_metric_std": val["std"],
+        "test_metric": test["mean"],
+        "test_metric_std": test["std"],
+        "test_metric_min": test["min"],
+        "test_metric_max": test["max"],
+        "test_metric_values": test["values"],
+        "test_loss": spread([s["test_loss"] for s in summaries])["mean"],
+        "tokens_per_s": spread([s.get("train_tokens_per_s") or 0.0 for s in summaries])["mean"],
+        "peak_memory_bytes": max(
+            (s.get("peak_memory_bytes") or 0 for s in summaries), default=None
+        ),
+        "device": summaries[0].get("device"),
+    }
+    return row, chosen[0].run_dir
+
+
+def _baseline_rows(plan: _Plan) -> list[dict[str, Any]]:
+    """The unigram baseline's row on a bits task (:func:`unigram_baseline`), else none."""
+    task, base = plan.task, plan.base
+    if task.metric not in ("bpc", "bpb"):
+        return []
+    nats = unigram_baseline(
+        task,
+        train_batches=min(base.steps, 200),
+        batch_size=base.batch_size,
+        test_batches=base.test_batches or None,
+    )
+    return [
+        {
+            "mixer": "(unigram baseline)",
+            "parameters": task.vocab_size - 1,
+            "test_metric": nats / math.log(2),
+            "test_loss": nats,
+            "tokens_per_s": None,
+            "peak_memory_bytes": None,
+        }
+    ]
+
+
+def _notes(plan: _Plan) -> str:
+    """The paragraph above the table: the command, and how rates, seeds and sizes were set."""
+    base, lrs, seeds, metric = plan.base, plan.lrs, plan.seeds, plan.task.metric
+    labels = [sp.label for sp in plan.specs]
+    cmd = ["aftlab compare", f"--task {base.task}", f"--mixers {','.join(labels)}"]
+    cmd.append(f"--steps {base.steps}")
+    if len(seeds) > 1:
+        cmd.append(f"--seeds {len(seeds)}")
+    if len(lrs) > 1:
+        cmd.append(f"--lrs {','.join(f'{lr:g}' for lr in lrs)}")
+    if plan.target is not None:
+        cmd.append("--equal-params")
+    notes = [f"Made with `{' '.join(cmd)}` (full config in results.json)."]
+    if len(lrs) > 1:
+        notes.append(
+            f"Each mixer was trained at every rate of {', '.join(f'{lr:g}' for lr in lrs)}; "
+            f"`lr` is the one with the best mean validation {metric}, and the test "
+            f"{metric} is that rate's only."
+        )
+    if len(seeds) > 1:
+        notes.append(
+            f"Mean ± sample standard deviation (n − 1 in the denominator) over the {len(seeds)} "
+            f"seeds {', '.join(map(str, seeds))}; min–max beside it."
+        )
+    if plan.target is not None:
+        notes.append(
+            f"Equal parameters: each mixer's `d_ff` is the one whose count is nearest "
+            f"attention's ({plan.target:,}), within half a `d_ff` unit."
+        )
+    return " ".join(notes)
+
+
+def _write_results(plan: _Plan, rows: list[dict[str, Any]], run_dirs: dict[str, Path]) -> str:
+    """Write ``results.json``, ``results.csv``, the plots and ``results.md``; return the table."""
+    out_dir, metric, equal_params = plan.out_dir, plan.task.metric, plan.target is not None
+    device = rows[0]["device"] if rows else "cpu"
+    rows = rows + _baseline_rows(plan)
+    table = format_table(rows, metric, device, seeds=len(plan.seeds), d_ff=equal_params)
+    options = {
+        "seeds": len(plan.seeds),
+        "lrs": plan.lrs,
+        "equal_params": equal_params,
+        "reference": plan.target,
+    }
+    best = _best_model(rows, run_dirs, metric, plan.higher_better)
+    results = {"rows": rows, "best": best, "options": options, "config": plan.base.to_dict()}
+    atomic_write_text(out_dir / "results.json", dumps(results, indent=2))
+    atomic_write_text(out_dir / "results.csv", format_csv(rows))
+    curves = {label: run_dir / "metrics.jsonl" for label, run_dir in run_dirs.items()}
+    png = _plot(plot_loss_curves, curves, out_dir / "loss_curves.png")
+    speed_png = _plot(plot_throughput, rows, out_dir / "throughput.png", device=device)
+    md = [f"# aftlab compare: {plan.base.task}", "", _notes(plan), "", table, ""]
+    if png is not None:
+        md += [f"![loss curves]({png.name})", ""]
+    if speed_png is not None:
+        md += [f"![tokens/s and peak memory]({speed_png.name})", ""]
+    atomic_write_text(out_dir / "results.md", "\n".join(md))
+    return table
+
+
 def run_compare(
     base: TrainConfig,
     mixers: list[str],
@@ -406,6 +645,10 @@ def run_compare(
     sample: int = 0,
 ) -> str:
     """Train every mixer of ``mixers`` with ``base`` and write the comparison into ``out_dir``.
+
+    Three stages: plan (check every option, build every model on the meta device), train and
+    select (per entry, every rate and seed; the rate with the best mean validation metric,
+    read from each run's ``summary.json``), write the results.
 
     Args:
         base: the shared config (its ``mixer`` and ``mixer_options`` are replaced).
@@ -436,159 +679,15 @@ def run_compare(
             a mixer that diverged at every rate, a failed run (its cause).
         KeyboardInterrupt: a run, or this process, was interrupted.
     """
-    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
-        raise UsageError(f"--seeds must be a positive integer, got {seeds!r}")
-    lrs = list(lrs) if lrs else [base.lr]
-    specs = [parse_mixer_spec(m) for m in mixers]
-    names = available_mixers()
-    unknown = [sp.name for sp in specs if sp.name not in names]
-    if unknown:
-        raise UsageError(
-            f"unknown mixer {unknown[0]!r} in --mixers; {did_you_mean(unknown[0], names)}"
-            f"known mixers: {', '.join(names)}"
-        )
-    labels = [sp.label for sp in specs]
-    if len(set(map(_folder, labels))) != len(labels):
-        raise UsageError(f"--mixers {','.join(labels)} names a mixer twice")
-    task = build_task(base)  # fails early on bad data, before any training
-    check_sample(sample, task)
-    higher_better = task.metric == "accuracy"
-    configs = {}
-    target = None
-    if equal_params:
-        target = count_parameters(base.replace(mixer="attention", mixer_options={}), task)
-    for sp in specs:  # every model is built (on the meta device) before any training
-        cfg = base.replace(mixer=sp.name, mixer_options=sp.options, sample_tokens=0)
-        if equal_params:
-            cfg, _ = match_parameters(cfg, task, target)
-        else:
-            count_parameters(cfg, task)
-        configs[sp.label] = cfg
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    single = len(lrs) == 1 and seeds == 1
-    seed_list = [base.seed + i for i in range(seeds)]
-    rows, curves, run_dirs = [], {}, {}
-    for sp in specs:
-        folder = out_dir / _folder(sp.label)
-        runs: dict[float, list[tuple[dict[str, Any], dict[str, float], Path]] | None] = {}
-        for lr in lrs:
-            min_lr = base.min_lr if lr == base.lr else base.min_lr * (lr / base.lr)
-            done: list[tuple[dict[str, Any], dict[str, float], Path]] | None = []
-            for seed in seed_list:
-                run_dir = folder if single else folder / f"lr{lr:g}-seed{seed}"
-                cfg = configs[sp.label].replace(lr=lr, min_lr=min_lr, seed=seed, out=str(run_dir))
-                summary = _train_one(cfg, run_dir)
-                if summary is None:
-                    done = None  # a diverged seed: this rate is out
-                    continue
-                if done is not None:
-                    done.append((summary, _validate(cfg, run_dir), run_dir))
-            runs[lr] = done
-        metric = task.metric
-        val_by_lr = {
-            lr: (None if r is None else spread([v[metric] for _, v, _ in r])["mean"])
-            for lr, r in runs.items()
-        }
-        scored = [lr for lr in lrs if val_by_lr[lr] is not None]
-        if not scored:
-            raise UsageError(
-                f"{sp.label} diverged at every learning rate {lrs}; try lower --lrs "
-                f"(runs in {folder})"
-            )
-        sign = -1.0 if higher_better else 1.0
-        best = min(scored, key=lambda lr: sign * val_by_lr[lr])  # first of equals
-        chosen = runs[best]
-        summaries = [s for s, _, _ in chosen]
-        test = spread([s[f"test_{s['metric']}"] for s in summaries])
-        val = spread([v[metric] for _, v, _ in chosen])
-        curves[sp.label] = chosen[0][2] / "metrics.jsonl"
-        run_dirs[sp.label] = chosen[0][2]
-        rows.append(
-            {
-                "mixer": sp.label,
-                "parameters": summaries[0]["parameters"],
-                "d_ff": configs[sp.label].model.resolved_d_ff,
-                "lr": best,
-                "seeds": seed_list,
-                "val_by_lr": {f"{lr:g}": v for lr, v in val_by_lr.items()},
-                "val_metric": val["mean"],
-                "val_metric_std": val["std"],
-                "test_metric": test["mean"],
-                "test_metric_std": test["std"],
-                "test_metric_min": test["min"],
-                "test_metric_max": test["max"],
-                "test_metric_values": test["values"],
-                "test_loss": spread([s["test_loss"] for s in summaries])["mean"],
-                "tokens_per_s": spread([s.get("train_tokens_per_s") or 0.0 for s in summaries])[
-                    "mean"
-                ],
-                "peak_memory_bytes": max(
-                    (s.get("peak_memory_bytes") or 0 for s in summaries), default=None
-                ),
-                "device": summaries[0].get("device"),
-            }
-        )
-    device = rows[0]["device"] if rows else "cpu"
-    if task.metric in ("bpc", "bpb"):
-        nats = unigram_baseline(
-            task,
-            train_batches=min(base.steps, 200),
-            batch_size=base.batch_size,
-            test_batches=base.test_batches or None,
-        )
-        rows.append(
-            {
-                "mixer": "(unigram baseline)",
-                "parameters": task.vocab_size - 1,
-                "test_metric": nats / math.log(2),
-                "test_loss": nats,
-                "tokens_per_s": None,
-                "peak_memory_bytes": None,
-            }
-        )
-    table = format_table(rows, task.metric, device, seeds=seeds, d_ff=equal_params)
-    cmd = ["aftlab compare", f"--task {base.task}", f"--mixers {','.join(labels)}"]
-    cmd.append(f"--steps {base.steps}")
-    if seeds > 1:
-        cmd.append(f"--seeds {seeds}")
-    if len(lrs) > 1:
-        cmd.append(f"--lrs {','.join(f'{lr:g}' for lr in lrs)}")
-    if equal_params:
-        cmd.append("--equal-params")
-    options = {"seeds": seeds, "lrs": lrs, "equal_params": equal_params, "reference": target}
-    best = _best_model(rows, run_dirs, task.metric, higher_better)
-    atomic_write_text(
-        out_dir / "results.json",
-        dumps({"rows": rows, "best": best, "options": options, "config": base.to_dict()}, indent=2),
+    plan = _plan(
+        base, mixers, out_dir, seeds=seeds, lrs=lrs, equal_params=equal_params, sample=sample
     )
-    atomic_write_text(out_dir / "results.csv", format_csv(rows))
-    png = _plot(plot_loss_curves, curves, out_dir / "loss_curves.png")
-    speed_png = _plot(plot_throughput, rows, out_dir / "throughput.png", device=device)
-    notes = [f"Made with `{' '.join(cmd)}` (full config in results.json)."]
-    if len(lrs) > 1:
-        notes.append(
-            f"Each mixer was trained at every rate of {', '.join(f'{lr:g}' for lr in lrs)}; "
-            f"`lr` is the one with the best mean validation {task.metric}, and the test "
-            f"{task.metric} is that rate's only."
-        )
-    if seeds > 1:
-        notes.append(
-            f"Mean ± sample standard deviation (n − 1 in the denominator) over the {seeds} "
-            f"seeds {', '.join(map(str, seed_list))}; min–max beside it."
-        )
-    if equal_params:
-        notes.append(
-            f"Equal parameters: each mixer's `d_ff` is the one whose count is nearest "
-            f"attention's ({target:,}), within half a `d_ff` unit."
-        )
-    md = [f"# aftlab compare: {base.task}", "", " ".join(notes), "", table, ""]
-    if png is not None:
-        md += [f"![loss curves]({png.name})", ""]
-    if speed_png is not None:
-        md += [f"![tokens/s and peak memory]({speed_png.name})", ""]
-    atomic_write_text(out_dir / "results.md", "\n".join(md))
-    return table
+    plan.out_dir.mkdir(parents=True, exist_ok=True)
+    rows, run_dirs = [], {}
+    for sp in plan.specs:
+        row, run_dirs[sp.label] = _train_and_select(plan, sp)
+        rows.append(row)
+    return _write_results(plan, rows, run_dirs)
 
 
 def _best_model(

@@ -1,16 +1,15 @@
 """The training config: a typed, validated dataclass, loaded from TOML and ``--set`` overrides.
 
-:class:`TrainConfig` holds the run's settings and, as ``model``, the typed
-:class:`~aftlab.models.TransformerConfig` (mixer and mixer options included). A config file is
+:class:`TrainConfig` holds the run's settings as a config file writes them. A config file is
 TOML (``tomllib``; ``tomli`` on Python 3.10) with the run's fields at the top level and three
 tables::
 
     task = "text"
-    seq_len = 128            # model.max_seq_len
-    mixer = "aft-local"      # model.mixer
+    seq_len = 128            # the context T asked of the task
+    mixer = "aft-local"
     steps = 500
 
-    [mixer_options]          # model.mixer_options: keyword options of the mixer
+    [mixer_options]          # keyword options of the mixer
     window = 32
 
     [model]                  # the other TransformerConfig fields (sizes, norm, positions, ...)
@@ -19,11 +18,12 @@ tables::
 
     [task_options]           # keyword options of the task (see ``aftlab.data``)
 
-``seq_len``, ``mixer`` and ``[mixer_options]`` stay at the top level, as users write them; a
-``[model]`` key not given takes :func:`default_model`'s value. ``vocab_size`` and ``causal``
-are the task's (``aftlab.train.build.model_config_for`` fills them, and the task's own
-``seq_len``, with one ``dataclasses.replace``). :meth:`TrainConfig.to_dict`,
-:func:`to_toml` and the ``config.toml``/``config.json`` of a run folder use this same layout.
+A ``[model]`` key not given takes :func:`default_model`'s value. The model's
+:class:`~aftlab.models.TransformerConfig` is built once the task is known, by
+``aftlab.train.build.model_config_for`` (the task gives ``vocab_size``, the context and
+causality); loading a config checks that its model settings make a valid one.
+:meth:`TrainConfig.to_dict`, :func:`to_toml` and the ``config.toml`` of a run folder (and the
+``train`` section of a checkpoint's ``config.json``) use this same layout.
 
 ``--set key=value`` overrides any field after the file is read; ``key`` may be dotted
 (``model.d_model=256``, ``mixer_options.window=32``) and ``value`` is a TOML literal
@@ -44,8 +44,8 @@ from pathlib import Path
 from typing import Any
 
 from .._checks import did_you_mean
+from ..errors import READ_ERRORS, UsageError, reason
 from ..models.config import TransformerConfig
-from .errors import READ_ERRORS, UsageError, reason
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -65,10 +65,14 @@ __all__ = [
     "check_stored",
 ]
 
-#: Model fields a config file writes at the top level: file key -> TransformerConfig field.
-_ON_TOP = {"seq_len": "max_seq_len", "mixer": "mixer", "mixer_options": "mixer_options"}
-#: Model fields that only the task decides (``model_config_for``); a config does not set them.
+#: TransformerConfig fields a config file writes at the top level: field -> the file's key.
+_ON_TOP = {"max_seq_len": "seq_len", "mixer": "mixer", "mixer_options": "mixer_options"}
+#: TransformerConfig fields that only the task decides (``model_config_for``).
 _FROM_TASK = ("vocab_size", "causal")
+#: The keys of the ``[model]`` table: the other TransformerConfig fields.
+_MODEL_KEYS = tuple(
+    f.name for f in dataclasses.fields(TransformerConfig) if f.name not in (*_ON_TOP, *_FROM_TASK)
+)
 
 _PRECISIONS = ("fp32", "bf16")
 _PARALLEL = ("ddp", "fsdp")  # aftlab.train.distributed.PARALLEL
@@ -76,13 +80,16 @@ _LOGS = ("jsonl", "tensorboard")
 _FREE_TABLES = ("mixer_options", "task_options")  # tables whose keys are not checked here
 
 
-def default_model() -> TransformerConfig:
-    """The default model: small enough that ``aftlab train`` finishes in minutes on 2 CPU cores.
+def default_model() -> dict[str, Any]:
+    """The default ``[model]`` table: small enough that ``aftlab train`` finishes in minutes on
+    2 CPU cores.
 
-    ``d_model=128, n_layers=3, n_heads=4`` and a context of 128 (``seq_len``); the other fields
-    are :class:`TransformerConfig`'s defaults. A ``[model]`` table refines it.
+    ``d_model=128, n_layers=3, n_heads=4``; the other keys take :class:`TransformerConfig`'s
+    defaults. A config's ``[model]`` table refines it.
     """
-    return TransformerConfig(d_model=128, n_layers=3, n_heads=4, max_seq_len=128)
+    fields = dataclasses.fields(TransformerConfig)
+    defaults = {f.name: f.default for f in fields if f.name in _MODEL_KEYS}
+    return {**defaults, "d_model": 128, "n_layers": 3, "n_heads": 4}
 
 
 @dataclass
@@ -93,11 +100,13 @@ class TrainConfig:
         task: task name (``aftlab.data.available_tasks()``), e.g. ``"text"``.
         data: path of the task's data (file or folder); ``None`` for the task's built-in data.
         task_options: extra keyword options of the task.
-        model: the model (:class:`~aftlab.models.TransformerConfig`), mixer and mixer options
-            included; its ``max_seq_len`` is the context ``T`` asked of the task (the task may
-            fix it, e.g. the 64 pixels of ``digits``). ``vocab_size`` and ``causal`` are
-            placeholders the task fills (:func:`aftlab.train.build.model_config_for`).
-            Default :func:`default_model`.
+        seq_len: the context ``T`` asked of the task, the model's ``max_seq_len`` (the task may
+            fix it, e.g. the 64 pixels of ``digits``).
+        mixer: registered token mixer (``"attention"``, ``"aft-full"``, ``"aft-local"``, ...).
+        mixer_options: keyword options of the mixer (e.g. ``{"window": 32}``).
+        model: the ``[model]`` table: every other :class:`~aftlab.models.TransformerConfig`
+            field but the task's ``vocab_size`` and ``causal``; keys not given take
+            :func:`default_model`'s values.
         batch_size: sequences per optimizer step, over all processes and accumulation steps.
         grad_accum: micro-batches per optimizer step on each process.
         lr: peak learning rate (after warm-up).
@@ -130,16 +139,20 @@ class TrainConfig:
 
     Example:
         >>> cfg = TrainConfig.from_dict({"mixer": "aft-local", "model": {"d_model": 64}})
-        >>> cfg.model.mixer, cfg.mixer, cfg.model.d_model, cfg.model.n_layers, cfg.seq_len
-        ('aft-local', 'aft-local', 64, 3, 128)
-        >>> cfg.replace(mixer="aft-full", seq_len=64).model.max_seq_len
-        64
+        >>> cfg.mixer, cfg.model["d_model"], cfg.model["n_layers"], cfg.seq_len
+        ('aft-local', 64, 3, 128)
+        >>> wide = cfg.replace(model={"d_ff": 512}, seq_len=64)
+        >>> wide.model["d_model"], wide.model["d_ff"], wide.seq_len
+        (64, 512, 64)
     """
 
     task: str = "text"
     data: str | None = None
     task_options: dict[str, Any] = field(default_factory=dict)
-    model: TransformerConfig = field(default_factory=default_model)
+    seq_len: int = 128
+    mixer: str = "attention"
+    mixer_options: dict[str, Any] = field(default_factory=dict)
+    model: dict[str, Any] = field(default_factory=default_model)
     batch_size: int = 16
     grad_accum: int = 1
     lr: float = 2e-3
@@ -165,27 +178,17 @@ class TrainConfig:
     log: str = "jsonl"
     out: str | None = None
 
-    # the model fields a config file writes at the top level, read-only here
-    @property
-    def seq_len(self) -> int:
-        """The context ``T`` asked of the task: ``model.max_seq_len``."""
-        return self.model.max_seq_len
-
-    @property
-    def mixer(self) -> str:
-        """``model.mixer``."""
-        return self.model.mixer
-
-    @property
-    def mixer_options(self) -> dict[str, Any]:
-        """``model.mixer_options``."""
-        return self.model.mixer_options
-
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(TrainConfig)
         for f in dataclasses.fields(self):
             setattr(self, f.name, _typed(f.name, getattr(self, f.name), hints[f.name]))
+        for key in self.model:
+            problem = _key_problem(["model", key])
+            if problem:
+                raise UsageError(f"config: {problem}")
+        self.model = {**default_model(), **self.model}
         for name in (
+            "seq_len",
             "batch_size",
             "grad_accum",
             "steps",
@@ -229,26 +232,23 @@ class TrainConfig:
             self._fail("device", "'auto', 'cpu', 'cuda' or 'cuda:N'")
         if self.batch_size % self.grad_accum:
             self._fail("batch_size", f"a multiple of grad_accum={self.grad_accum}")
+        try:  # a valid model once the task adds its own (model_config_for builds the run's)
+            TransformerConfig(
+                max_seq_len=self.seq_len,
+                mixer=self.mixer,
+                mixer_options=self.mixer_options,
+                **self.model,
+            )
+        except (TypeError, ValueError) as e:
+            raise UsageError(f"config: [model]: {e}") from None
 
     def _fail(self, name: str, expected: str) -> None:
         _fail(name, expected, getattr(self, name))
 
     # ----------------------------------------------------------------- serialisation
     def to_dict(self) -> dict[str, Any]:
-        """Every field as a JSON/TOML-serialisable dict in the config file's layout.
-
-        ``seq_len``, ``mixer`` and ``mixer_options`` at the top level, the other model fields
-        (but the task's ``vocab_size`` and ``causal``) in ``model``.
-        """
-        model = dataclasses.asdict(self.model)
-        out: dict[str, Any] = {}
-        for f in dataclasses.fields(self):
-            if f.name == "model":
-                out.update({key: model.pop(name) for key, name in _ON_TOP.items()})
-                out["model"] = {k: v for k, v in model.items() if k not in _FROM_TASK}
-            else:
-                out[f.name] = getattr(self, f.name)
-        return json.loads(json.dumps(out))
+        """Every field as a JSON/TOML-serialisable dict: the config file's layout."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
@@ -261,30 +261,17 @@ class TrainConfig:
         """
         if not isinstance(data, dict):
             raise UsageError(f"config: expected a table of settings, got {type(data).__name__}")
-        data = dict(data)
         for table in ("model", *_FREE_TABLES):
             if table in data and not isinstance(data[table], dict):
                 raise UsageError(f"config: '{table}' must be a table, got {data[table]!r}")
-        for path in [[key] for key in data] + [["model", key] for key in data.get("model", {})]:
-            problem = _key_problem(path)
+        for key in data:
+            problem = _key_problem([key])
             if problem:
                 raise UsageError(f"config: {problem}")
-        model = dict(data.pop("model", {}))
-        hints = typing.get_type_hints(TransformerConfig)
-        for key, name in _ON_TOP.items():
-            if key in data:
-                model[name] = _typed(key, data.pop(key), hints[name])
-        if model.get("max_seq_len", 1) <= 0:
-            _fail("seq_len", "> 0", model["max_seq_len"])
-        try:
-            model_config = dataclasses.replace(default_model(), **model)
-        except (TypeError, ValueError) as e:
-            raise UsageError(f"config: [model]: {e}") from None
-        return cls(model=model_config, **data)
+        return cls(**data)
 
     def replace(self, **changes: Any) -> TrainConfig:
-        """A validated copy with ``changes``: fields, or ``seq_len``/``mixer``/``mixer_options``
-        (which change ``model``, the given one or this one).
+        """A validated copy with ``changes``; a ``model`` table refines this config's.
 
         Raises:
             UsageError: an unknown key (the message says what to write), an invalid value.
@@ -293,15 +280,8 @@ class TrainConfig:
             problem = _key_problem([key])
             if problem:
                 raise UsageError(f"config: {problem}")
-        seq_len = changes.get("seq_len", 1)
-        if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len <= 0:
-            _fail("seq_len", "> 0", seq_len)
-        on_top = {_ON_TOP[key]: changes.pop(key) for key in list(changes) if key in _ON_TOP}
-        if on_top:
-            try:
-                changes["model"] = dataclasses.replace(changes.get("model", self.model), **on_top)
-            except (TypeError, ValueError) as e:
-                raise UsageError(f"config: {e}") from None
+        if isinstance(changes.get("model"), dict):
+            changes["model"] = {**self.model, **changes["model"]}
         return dataclasses.replace(self, **changes)
 
 
@@ -359,7 +339,7 @@ def _type_name(hint: Any) -> str:
 
 def _key_problem(path: list[str]) -> str | None:
     """What is wrong with the dotted key ``path`` of a config (one line), or None."""
-    known = [f.name for f in dataclasses.fields(TrainConfig)] + list(_ON_TOP)
+    known = [f.name for f in dataclasses.fields(TrainConfig)]
     head, sub = path[0], ".".join(path[1:])
     if head not in known:
         return _unknown(head, known)
@@ -369,7 +349,7 @@ def _key_problem(path: list[str]) -> str | None:
         return None
     if head != "model":
         return f"'{head}' is not a table; use --set {head}=VALUE"
-    top = next((key for key, name in _ON_TOP.items() if name == path[1]), None)
+    top = _ON_TOP.get(path[1])
     if top is not None:
         return (
             f"'model.{path[1]}' is written '{top}', at the top level ({top} = ... in the "
@@ -377,9 +357,7 @@ def _key_problem(path: list[str]) -> str | None:
         )
     if path[1] in _FROM_TASK:
         return f"unknown key 'model.{path[1]}' (it is set by the task)"
-    model_keys = [f.name for f in dataclasses.fields(TransformerConfig)]
-    model_keys = [k for k in model_keys if k not in (*_ON_TOP.values(), *_FROM_TASK)]
-    return None if sub in model_keys else _unknown(f"model.{sub}", model_keys, near=sub)
+    return None if sub in _MODEL_KEYS else _unknown(f"model.{sub}", list(_MODEL_KEYS), near=sub)
 
 
 def _unknown(key: str, known: list[str], *, near: str | None = None) -> str:
@@ -412,10 +390,7 @@ RESUMABLE_CHANGES = (
 #: hold: those that change what is learned. aftlab writes every key, so a missing one means a
 #: damaged or edited file, which is refused rather than read with today's default.
 STORED_KEYS = tuple(
-    key
-    for f in dataclasses.fields(TrainConfig)
-    if f.name not in RESUMABLE_CHANGES
-    for key in ((*_ON_TOP, "model") if f.name == "model" else (f.name,))
+    f.name for f in dataclasses.fields(TrainConfig) if f.name not in RESUMABLE_CHANGES
 )
 
 

@@ -32,8 +32,8 @@ import torch
 
 from .._json import dumps
 from ..data.base import DataError
+from ..errors import READ_ERRORS, UsageError
 from .checkpoint import _write_error, atomic_write_text
-from .errors import READ_ERRORS, UsageError
 
 __all__ = [
     "EXIT_STATUS",

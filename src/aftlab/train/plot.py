@@ -15,8 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._plotting import pyplot
+from ..errors import UsageError
 from .checkpoint import _write_error, atomic_write_bytes, run_subdir
-from .errors import UsageError
 
 __all__ = [
     "plot_run",
@@ -26,20 +27,6 @@ __all__ = [
     "conv_kernels",
     "read_metrics",
 ]
-
-
-def pyplot():
-    """``matplotlib.pyplot`` on the Agg backend; ``UsageError`` (one line) if not installed."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise UsageError(
-            "plotting needs matplotlib, which is not installed (pip install 'aftlab[plot]')"
-        ) from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

@@ -9,11 +9,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import UsageError
 from ..models.config import TransformerConfig
 from .build import build_model, build_task
 from .checkpoint import latest_checkpoint, load_checkpoint, read_checkpoint_config
 from .config import TrainConfig, check_stored
-from .errors import UsageError
 
 __all__ = ["LoadedRun", "load_run", "check_run_dir", "read_run_config"]
 

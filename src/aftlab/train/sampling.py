@@ -9,8 +9,8 @@ from typing import Any, TextIO
 import torch
 from torch import nn
 
+from ..errors import UsageError
 from ..models.generation import sample_next_token
-from .errors import UsageError
 
 __all__ = ["sample_text", "default_prompt"]
 

@@ -14,8 +14,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from ..errors import UsageError
 from .checkpoint import run_subdir
-from .errors import UsageError
 
 __all__ = ["TensorBoardLog", "check_tensorboard", "TB_DIR"]
 

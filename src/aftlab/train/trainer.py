@@ -40,7 +40,8 @@ from .. import kernels
 from .._json import dumps
 from .._system import peak_rss_bytes
 from ..data.base import IGNORE_INDEX, count_correct
-from .build import build_model, build_task, check_training_memory, model_config_for, task_info
+from ..errors import UsageError
+from .build import build_model, build_task, check_training_memory, model_config_for
 from .checkpoint import (
     LOCK_FILE,
     RunLock,
@@ -63,7 +64,6 @@ from .distributed import (
     weights_finite,
     wrap_model,
 )
-from .errors import UsageError
 from .optim import build_optimizer, lr_at
 from .progress import Progress, format_duration
 from .run import read_run_config
@@ -238,7 +238,8 @@ class Trainer:
         resume: continue from the newest checkpoint in ``run_dir`` (from scratch if it has none).
         stream: where progress goes (default ``sys.stderr``); results are printed to ``sys.stdout``.
 
-    Files written (rank 0 only): ``config.toml`` (resolved config), ``task.json``,
+    Files written (rank 0 only): ``config.toml`` (resolved config), ``task.json`` (the task's
+    :meth:`~aftlab.data.Task.info`, also a checkpoint's ``task``),
     ``metrics.jsonl`` (one JSON object per step and per evaluation), ``checkpoints/``,
     ``summary.json`` (at the end); all JSON is strict (a non-finite number is ``null``).
 
@@ -326,7 +327,7 @@ class Trainer:
         self.per_rank = cfg.batch_size // world
         self.micro = self.per_rank // cfg.grad_accum
         self.task = build_task(cfg)
-        self.task_info = task_info(self.task)
+        self.task_info = _jsonable(self.task.info())
         self.model_config = model_config_for(cfg, self.task)
         micro = None if self.dist.active and cfg.parallel == "fsdp" else self.micro  # sharded
         check_training_memory(cfg, self.model_config, self.task_info, micro, device=self.device)
@@ -369,10 +370,7 @@ class Trainer:
         if self.dist.is_main:
             self._check_run_dir()
             atomic_write_text(self.run_dir / "config.toml", to_toml(cfg))
-            atomic_write_text(
-                self.run_dir / "task.json",
-                dumps({**self.task_info, "info": _jsonable(self.task.info())}, indent=2),
-            )
+            atomic_write_text(self.run_dir / "task.json", dumps(self.task_info, indent=2))
             self._trim_metrics()
 
     def _trim_metrics(self) -> None:
@@ -521,9 +519,10 @@ class Trainer:
 
         Returns:
             The summary (also written to ``summary.json``): parameters, steps, final train loss,
-            test loss and metric, training tokens/s, peak memory; ``"interrupted": True`` when
-            a signal stopped the run (after saving a checkpoint); ``"diverged": True`` when the
-            loss became non-finite (nothing saved after the last good checkpoint, no summary).
+            final validation and test loss and metric, training tokens/s, peak memory;
+            ``"interrupted": True`` when a signal stopped the run (after saving a checkpoint);
+            ``"diverged": True`` when the loss became non-finite (nothing saved after the last
+            good checkpoint, no summary).
 
         Raises:
             UsageError: another process holds the run folder, a resume that changes the config,
@@ -693,13 +692,17 @@ class Trainer:
 
     # ----------------------------------------------------------------- the finish
     def _finish(self) -> dict[str, Any]:
-        """After the last step: test evaluation, ``summary.json``, the result line, a sample."""
+        """After the last step: validation and test evaluation, ``summary.json``, the result
+        line, a sample. The validation is the periodic one's (``eval_batches``), which
+        ``aftlab compare`` chooses its rate on."""
         cfg = self.config
         summary = self._summary()
         if self.dist.is_main or self._sharded:  # a sharded forward needs every rank
+            val = self.evaluate("val", cfg.eval_batches)
             test = self.evaluate("test", cfg.test_batches or None)
         if self.dist.is_main:
             metric = self.task.metric
+            summary.update({"val_loss": val["loss"], "val_" + metric: val[metric]})
             summary.update({"test_loss": test["loss"], "test_" + metric: test[metric]})
             self._check_run_dir()
             atomic_write_text(self.run_dir / "summary.json", dumps(summary, indent=2))

@@ -12,7 +12,6 @@ Initialisation (RWKV-4): channel ``i`` of layer ``l`` of ``n_layers`` gets
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -22,9 +21,6 @@ from ...ops._numerics import compute_dtype
 from ...ops.aft_decay import _aft_decay
 from ..registry import register_mixer
 from .common import AFTMixer, RunningSums
-
-if TYPE_CHECKING:
-    from ...models.config import TransformerConfig
 
 __all__ = ["AFTDecay", "AFTDecayState"]
 
@@ -68,12 +64,7 @@ class AFTDecay(AFTMixer):
     """
 
     causal_only = True
-
-    @classmethod
-    def from_config(cls, config: TransformerConfig, *, layer_idx: int = 0) -> AFTDecay:
-        """:meth:`SequenceMixer.from_config` plus ``layer_idx`` and ``config.n_layers``, for the
-        depth-dependent decay initialisation."""
-        return cls._from_config(config, layer_idx=layer_idx, n_layers=config.n_layers)
+    config_options = ("layer_idx", "n_layers")
 
     def __init__(
         self, *, causal: bool = True, layer_idx: int = 0, n_layers: int = 1, **common

@@ -1,4 +1,5 @@
-"""The error a user can fix: the command line prints it as one line and exits with status 2."""
+"""The errors a user can fix, below every layer that raises them: :class:`UsageError` (the command
+line prints it as one line and exits with status 2) and what reading a damaged file raises."""
 
 from __future__ import annotations
 
