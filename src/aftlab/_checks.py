@@ -19,6 +19,7 @@ __all__ = [
     "check_compatible",
     "check_floating_dtype",
     "check_padding_mask",
+    "check_tokens",
     "check_positive_int",
     "check_choice",
     "check_qkv",
@@ -142,6 +143,48 @@ def check_padding_mask(
             f"{where}: 'padding_mask' is on {mask.device} but '{ref_name}' is on {ref.device}"
         )
     return mask
+
+
+def check_tokens(
+    where: str, name: str, idx: object, *, ndim: int, vocab_size: int, in_forward: bool = False
+) -> torch.Tensor:
+    """``idx`` must be an integer tensor of rank ``ndim`` with ids in ``[0, vocab_size)``.
+
+    The rank, dtype and length are checked always (free: no data is read). The id range reads
+    the data: never inside ``torch.compile`` (it would break the graph), and in a forward pass
+    (``in_forward``) only for CPU tensors, where it stalls nothing; on a GPU a read per step
+    would stall the host, so there ``nn.Embedding`` rejects an out-of-range id itself (a
+    device-side assert on CUDA; the tasks make ids in range by construction). Decoding entry
+    points (prefill, step, generate), which wait for the host anyway, check on every device.
+    """
+    shape = ("B", "T") if ndim == 2 else ("B",)
+    if not isinstance(idx, torch.Tensor):
+        raise TypeError(
+            f"{where}: '{name}' must be a torch.Tensor of token ids, got {type(idx).__name__}"
+        )
+    if idx.dim() != ndim:
+        raise ValueError(
+            f"{where}: '{name}' must have shape ({', '.join(shape)}{',' if ndim == 1 else ''}) "
+            f"of token ids, got {tuple(idx.shape)}"
+        )
+    if idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
+        raise TypeError(
+            f"{where}: '{name}' must be an integer (long) tensor of token ids, "
+            f"got dtype {idx.dtype}"
+        )
+    if ndim == 2 and idx.shape[1] == 0:
+        raise ValueError(
+            f"{where}: '{name}' must hold at least one token, got shape {tuple(idx.shape)}"
+        )
+    read = not in_forward or idx.device.type == "cpu"
+    if idx.numel() and read and not torch.compiler.is_compiling():
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(
+                f"{where}: '{name}' ids must be in [0, vocab_size={vocab_size}), "
+                f"got values in [{lo}, {hi}]"
+            )
+    return idx
 
 
 def check_positive_int(where: str, name: str, value: object, *, allow_zero: bool = False) -> int:

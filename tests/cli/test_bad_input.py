@@ -232,6 +232,14 @@ def test_unknown_or_unusable_device(command, device, trained, capsys):
     _one_line(_run([command, str(run), "--device", device], capsys), "--device", message)
 
 
+def test_train_on_a_device_the_machine_lacks(trained, tmp_path, capsys):
+    _, data = trained
+    out = tmp_path / "run"
+    argv = ["train", "--data", str(data), "--out", str(out), *TINY, "--set", "device='cuda:99'"]
+    _one_line(_run(argv, capsys), "--set device is 'cuda:99'", "CUDA")
+    assert not out.exists()
+
+
 def _with_nan_weights(run, dest):
     """A copy of ``run`` whose newest weights are all NaN, with its manifest updated to match."""
     from safetensors.torch import load_file, save_file

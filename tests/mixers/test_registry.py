@@ -159,7 +159,7 @@ class _ToyRunningMean(SequenceMixer):
         self.gain = gain
         self.proj = nn.Linear(self.d_model, self.d_model, bias=self.bias)
 
-    def _forward(self, x, padding_mask, return_state):
+    def _forward(self, x, padding_mask):
         m = x.new_ones(x.shape[:2]) if padding_mask is None else padding_mask.to(x.dtype)
         num, den = (x * m[..., None]), m[..., None]
         if self.causal:

@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from aftlab.mixers import available_mixers, get_mixer_class
 from aftlab.models import PixelTransformer, TransformerConfig, TransformerLM
-from aftlab.models.generation import sample_next_token
+from aftlab.models.generation import (
+    CausalLM,
+    LengthLimit,
+    generate,
+    sample_next_token,
+    stream_generate,
+)
 
 
 def _lm(**kw) -> TransformerLM:
@@ -138,3 +145,47 @@ def test_pixel_sampling():
         nxt = model(torch.cat([seq, torch.zeros(2, 1, dtype=torch.long)], 1))[:, t].argmax(-1)
         seq = torch.cat([seq, nxt[:, None]], 1)
     assert torch.equal(greedy, seq)
+
+
+class _Successor:
+    """A :class:`CausalLM` that is no Transformer (nor a module): the next token is the last
+    plus one, mod ``V``; its cache counts the tokens seen."""
+
+    vocab_size = 7
+    length_limit = LengthLimit(12, "the successor's table")
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def init_cache(self, batch_size, *, device=None, dtype=None):
+        return {"position": 0}
+
+    def _logits(self, last: torch.Tensor) -> torch.Tensor:
+        return 10.0 * F.one_hot((last + 1) % self.vocab_size, self.vocab_size).float()
+
+    def prefill(self, idx, *, logits_to_keep=0):
+        self.calls.append(f"prefill {logits_to_keep}")
+        logits = self._logits(idx)[:, -logits_to_keep:] if logits_to_keep else self._logits(idx)
+        return logits, {"position": idx.shape[1]}
+
+    def step(self, tokens, cache):
+        self.calls.append("step")
+        cache["position"] += 1
+        return self._logits(tokens)
+
+
+def test_generate_decodes_any_model_of_the_protocol():
+    model = _Successor()
+    assert isinstance(model, CausalLM) and isinstance(_lm(), CausalLM)
+    prompt = torch.tensor([[3, 4], [6, 0]])
+    out = generate(model, prompt, 5, temperature=0)
+    assert out.tolist() == [[3, 4, 5, 6, 0, 1, 2], [6, 0, 1, 2, 3, 4, 5]]
+    assert model.calls == ["prefill 1"] + ["step"] * 4  # the last position's logits, no re-run
+    streamed = [t.tolist() for t in stream_generate(model, prompt, 2, temperature=0)]
+    assert streamed == [[5, 1], [6, 2]]
+    with pytest.raises(ValueError, match="= 13 exceeds max_seq_len = 12, the limit of \"the succ"):
+        generate(model, prompt, 11)
+    with pytest.raises(ValueError, match=r"'prompt' ids must be in \[0, vocab_size=7\)"):
+        generate(model, prompt + 5, 1)
+    with pytest.raises(TypeError, match="'model' must be a causal language model .* got dict"):
+        generate({}, prompt, 1)

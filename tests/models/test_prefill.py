@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import sys
 
 import pytest
 import torch
 from torch import nn
 
+from aftlab import _checks
 from aftlab.mixers import (
     SequenceMixer,
     available_mixers,
@@ -150,7 +153,7 @@ def test_pixel_sample_completes_a_prefix_after_prefill(name):
     "dtype, scale", [(torch.float32, 3.0), (torch.float64, 300.0)], ids=["f32", "f64-large"]
 )
 @pytest.mark.parametrize("name", CAUSAL_MIXERS)
-def test_mixer_return_state_keeps_forward_and_matches_steps(name, dtype, scale):
+def test_mixer_prefill_keeps_forward_and_matches_steps(name, dtype, scale):
     """Module level: ``y`` is forward's bit for bit; the state is ``T`` steps'."""
     torch.manual_seed(0)
     m = build_mixer(name, d_model=15, n_heads=3, causal=True, max_seq_len=40, **_small(name))
@@ -159,9 +162,8 @@ def test_mixer_return_state_keeps_forward_and_matches_steps(name, dtype, scale):
         for p in m.parameters():
             p.add_(0.3 * torch.randn_like(p))
         x = scale * torch.randn(2, 33, 15, dtype=dtype)
-        y, state = m(x, return_state=True)
-        assert torch.equal(y, m(x)), f"{name}: forward(return_state=True) changed y"
-        assert torch.equal(m.prefill(x)[0], y)
+        y, state = m.prefill(x)
+        assert torch.equal(y, m(x)), f"{name}: prefill's y != forward's"
         steps = m.init_state(2)
         for t in range(33):
             _, steps = m.step(x[:, t], steps)
@@ -171,8 +173,12 @@ def test_mixer_return_state_keeps_forward_and_matches_steps(name, dtype, scale):
 @pytest.mark.parametrize("name", LENGTH_LIMITED)
 def test_length_limited_mixers_refuse_overflow(name):
     model = _lm(name, max_seq_len=10, positional="sinusoidal")
-    with pytest.raises(ValueError, match="sequence length 11 of 'x' exceeds max_seq_len"):
+    limit = rf"sequence length 11 of 'idx' exceeds max_seq_len = 10, the limit of '{name}'"
+    with pytest.raises(ValueError, match=limit):
         model.prefill(torch.zeros(2, 11, dtype=torch.long))
+    mixer = model.backbone.blocks[0].mixer  # alone, the mixer checks its own input
+    with pytest.raises(ValueError, match="sequence length 11 of 'x' exceeds max_seq_len"):
+        mixer.prefill(torch.zeros(2, 11, 15, dtype=torch.float64))
     with pytest.raises(ValueError, match=rf"= 11 exceeds max_seq_len = 10, the limit of '{name}'"):
         next(model.stream_generate(torch.zeros(2, 4, dtype=torch.long), 7))  # before any token
     _, cache = model.prefill(torch.zeros(2, 10, dtype=torch.long))  # exactly fills T_max
@@ -182,18 +188,80 @@ def test_length_limited_mixers_refuse_overflow(name):
 
 def test_learned_positions_limit_prefill():
     model = _lm("aft-simple", max_seq_len=10)
-    with pytest.raises(ValueError, match=r"position 10 .* max_seq_len = 10"):
+    limit = "the limit of 'the learned positional table'"
+    with pytest.raises(ValueError, match=rf"sequence length 11 of 'idx' .* = 10, {limit}"):
         model.prefill(torch.zeros(1, 11, dtype=torch.long))
 
 
 @pytest.mark.parametrize("name", CAUSAL_MIXERS)
-def test_return_state_bad_input(name):
+def test_logits_to_keep_gives_the_last_rows(name):
+    """``prefill(idx, logits_to_keep=n)``: the last ``n`` rows of the full logits, same cache."""
+    torch.manual_seed(2)
+    model = _lm(name)
+    idx = torch.randint(0, 29, (3, 9))
+    full, cache = model.prefill(idx)
+    for n in (1, 4, 9):
+        last, last_cache = model.prefill(idx, logits_to_keep=n)
+        assert_close(f"{name}: prefill logits_to_keep={n}", last, full[:, -n:])
+        assert_close(f"{name}: forward logits_to_keep={n}", model(idx, logits_to_keep=n), last)
+        for layer, (a, e) in enumerate(zip(last_cache.states, cache.states, strict=True)):
+            _assert_same_state(f"{name}, layer {layer}", a, e, torch.float64)
+    with pytest.raises(ValueError, match="'logits_to_keep' must be >= 0, got -1"):
+        model.prefill(idx, logits_to_keep=-1)
+    pix = PixelTransformer(model.config, image_shape=(4, 4)).double().eval()
+    pixels = torch.randint(0, 29, (2, 7))
+    logits, _ = pix.prefill(pixels)
+    assert torch.equal(logits, pix(pixels)), f"{name}: pixel prefill logits != forward"
+    assert_close(f"{name}: pixel logits_to_keep", pix.prefill(pixels, logits_to_keep=1)[0],
+                 logits[:, -1:])
+
+
+def _count_checks(monkeypatch) -> collections.Counter:
+    """Count the calls of the tensor and token checks (wherever imported) and of state checks."""
+    counts: collections.Counter = collections.Counter()
+    for fn in (_checks.check_tensor, _checks.check_tokens):
+        def counted(*a, _fn=fn, **k):
+            counts[_fn.__name__] += 1
+            return _fn(*a, **k)
+
+        for mod in list(sys.modules.values()):
+            if getattr(mod, "__name__", "").startswith("aftlab") and vars(mod).get(
+                fn.__name__
+            ) is fn:
+                monkeypatch.setattr(mod, fn.__name__, counted)
+    check_state = SequenceMixer.check_state
+
+    def counted_state(self, *a, **k):
+        counts["check_state"] += 1
+        return check_state(self, *a, **k)
+
+    monkeypatch.setattr(SequenceMixer, "check_state", counted_state)
+    return counts
+
+
+@pytest.mark.parametrize("name", CAUSAL_MIXERS)
+def test_each_entry_checks_its_input_once(name, monkeypatch):
+    """A model's prefill checks the tokens once and nothing below it; its step the tokens and
+    each layer's state once; a mixer called alone checks its ``x`` once."""
+    model = _lm(name)
+    idx = torch.randint(0, 29, (3, 6))
+    counts = _count_checks(monkeypatch)
+    _, cache = model.prefill(idx)
+    assert counts == {"check_tokens": 1}, f"{name}: prefill: {dict(counts)}"
+    counts.clear()
+    model.step(idx[:, 0], cache)
+    assert counts == {"check_tokens": 1, "check_state": 2}, f"{name}: step: {dict(counts)}"
+    counts.clear()
+    model.backbone.blocks[0].mixer.prefill(torch.randn(3, 6, 15, dtype=torch.float64))
+    assert counts == {"check_tensor": 1}, f"{name}: mixer prefill: {dict(counts)}"
+
+
+@pytest.mark.parametrize("name", CAUSAL_MIXERS)
+def test_prefill_bad_input(name):
     m = build_mixer(name, d_model=15, n_heads=3, causal=True, max_seq_len=40)
     x = torch.randn(2, 5, 15)
-    with pytest.raises(ValueError, match="return_state=True takes no 'padding_mask'"):
-        m(x, padding_mask=torch.ones(2, 5, dtype=torch.bool), return_state=True)
-    with pytest.raises(ValueError, match=r"at least one token in 'x', got shape \(2, 0, 15\)"):
-        m(x[:, :0], return_state=True)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'return_state'"):
+        m(x, return_state=True)  # one spelling of a prefill: prefill(x)
     y, state = m.prefill(x[:, :0])  # an empty prompt: the empty state, as init_state gives
     assert y.shape == (2, 0, 15)
     _assert_same_state(name, state, m.init_state(2), torch.float32)
@@ -201,31 +269,29 @@ def test_return_state_bad_input(name):
         m.prefill(torch.randn(2, 5, 14))
     if not get_mixer_class(name).causal_only:
         bidir = build_mixer(name, d_model=15, n_heads=3, causal=False, max_seq_len=40)
-        with pytest.raises(RuntimeError, match="needs a causal mixer"):
-            bidir(x, return_state=True)
-        with pytest.raises(RuntimeError, match="needs a causal mixer"):
+        with pytest.raises(RuntimeError, match=r"prefill\(\) needs a causal mixer"):
             bidir.prefill(x)
 
 
 class _Cumsum(SequenceMixer):
-    """A mixer with ``forward`` and ``step`` only (no ``return_state``): ``y_t = W sum_s x_s``."""
+    """A mixer with forward and step hooks only (no ``_prefill``): ``y_t = W sum_s x_s``."""
 
     def __init__(self, **common) -> None:
         super().__init__(**common)
         self.proj = nn.Linear(self.d_model, self.d_model)
 
-    def forward(self, x, *, padding_mask=None):
-        return self.proj(self._check_input(x, padding_mask)[0].cumsum(1))
+    def _forward(self, x, padding_mask):
+        return self.proj(x.cumsum(1))
 
-    def init_state(self, batch_size, *, device=None, dtype=None):
+    def _init_state(self, batch_size, device, dtype):
         return torch.zeros(batch_size, self.d_model, device=device, dtype=dtype)
 
-    def step(self, x, state):
-        state = state + self._check_step_input(x)
+    def _step(self, x, state):
+        state = state + x
         return self.proj(state), state
 
 
-def test_mixer_without_return_state_is_prefilled_by_steps():
+def test_mixer_without_a_prefill_hook_is_prefilled_by_steps():
     register_mixer("test-cumsum")(_Cumsum)
     try:
         torch.manual_seed(0)

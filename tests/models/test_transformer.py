@@ -62,8 +62,7 @@ class _PrefixMean(SequenceMixer):
         super().__init__(**common)
         self.proj = nn.Linear(self.d_model, self.d_model)
 
-    def forward(self, x, *, padding_mask=None):
-        x, padding_mask = self._check_input(x, padding_mask)
+    def _forward(self, x, padding_mask):
         m = torch.ones_like(x[..., :1]) if padding_mask is None else padding_mask[..., None].to(x)
         if self.causal:
             num, den = (x * m).cumsum(1), m.cumsum(1)
@@ -71,17 +70,10 @@ class _PrefixMean(SequenceMixer):
             num, den = (x * m).sum(1, keepdim=True), m.sum(1, keepdim=True)
         return self.proj(num / den.clamp(min=1)).expand_as(x)
 
-    def init_state(self, batch_size, *, device=None, dtype=None):
-        w = self.proj.weight
-        return [
-            torch.zeros(
-                batch_size, self.d_model, device=device or w.device, dtype=dtype or w.dtype
-            ),
-            0,
-        ]
+    def _init_state(self, batch_size, device, dtype):
+        return [torch.zeros(batch_size, self.d_model, device=device, dtype=dtype), 0]
 
-    def step(self, x, state):
-        x = self._check_step_input(x)
+    def _step(self, x, state):
         total, n = state[0] + x, state[1] + 1
         return self.proj(total / n), [total, n]
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from aftlab.errors import UsageError
 from aftlab.models import TransformerLM
 from aftlab.train.build import build_task, model_config_for
 from aftlab.train.checkpoint import latest_checkpoint
@@ -101,6 +102,21 @@ def test_a_checkpoint_with_the_earlier_task_layout_still_loads(tmp_path):
     assert type(run.model) is TransformerLM and run.step == 1
     resumed = Trainer(cfg.replace(steps=2), run_dir=tmp_path / "run", resume=True).fit()
     assert resumed["steps"] == 2 and resumed["resumed_from"] == 1
+
+
+def test_a_device_the_machine_lacks_stops_the_trainer_before_the_run_folder(
+    tmp_path, monkeypatch
+):
+    """The trainer's one device check (no other before it) knows how many GPUs there are."""
+    counted = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: counted.append(1) or 1)
+    cfg = _config(tmp_path, "device='cuda:3'")
+    with pytest.raises(
+        UsageError, match=r"'cuda:3' but this machine has 1 CUDA device\(s\): cuda:0 \.\. cuda:0"
+    ):
+        Trainer(cfg, run_dir=tmp_path / "run").fit()
+    assert counted == [1] and not (tmp_path / "run").exists()
 
 
 def test_gradient_accumulation_matches_one_big_batch(tmp_path):

@@ -132,22 +132,14 @@ def check_out_dir(path: str | os.PathLike, *, arg: str = "--out") -> Path:
     return p
 
 
-def check_device(name: str, *, arg: str = "--device") -> str:
-    """``name`` if it is ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` and this machine has it."""
-    import torch
+def check_device(name: str, *, arg: str = "--device"):
+    """The ``torch.device`` of ``--device``: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``, one this
+    machine has (:func:`~aftlab.train.trainer.resolve_device`)."""
+    from ..train.trainer import resolve_device
 
     if not (name in ("auto", "cpu", "cuda") or (name[:5] == "cuda:" and name[5:].isdigit())):
         raise UsageError(f"{arg} must be auto, cpu, cuda or cuda:N, got {name!r}")
-    if name.startswith("cuda"):
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise UsageError(f"{arg} is {name!r} but CUDA is not available here; use cpu")
-        if name != "cuda" and int(name[5:]) >= count:
-            raise UsageError(
-                f"{arg} is {name!r} but this machine has {count} CUDA device(s): cuda:0 .. "
-                f"cuda:{count - 1}"
-            )
-    return name
+    return resolve_device(name, arg=arg)
 
 
 def check_finite_weights(run) -> None:
@@ -263,8 +255,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise UsageError("with torchrun, give the run folder explicitly: --out DIR")
         cfg = cfg.replace(out=_default_out(cfg))
     run_dir = check_out_dir(cfg.out)
-    check_device(cfg.device, arg="--set device")
-    try:  # without --resume, the Trainer refuses a run folder that holds a run
+    try:  # the Trainer checks the device, then (without --resume) refuses a run that exists
         summary = Trainer(cfg, run_dir=run_dir, resume=args.resume).fit()
     finally:
         distributed = _leave_process_group()
@@ -325,12 +316,12 @@ def add_eval(sub) -> None:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from ..train.run import load_run
-    from ..train.trainer import evaluate, resolve_device
+    from ..train.trainer import evaluate
 
     for name in ("batches", "batch_size"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
-    device = resolve_device(check_device(args.device))
+    device = check_device(args.device)
     run = load_run(args.run_dir, device=device, data=args.data)
     check_finite_weights(run)
     res = evaluate(
@@ -385,10 +376,9 @@ def add_sample(sub) -> None:
 def cmd_sample(args: argparse.Namespace) -> int:
     from ..train.run import load_run
     from ..train.sampling import sample_text
-    from ..train.trainer import resolve_device
 
     check_text(args.prompt, "--prompt")
-    device = resolve_device(check_device(args.device))
+    device = check_device(args.device)
     run = load_run(args.run_dir, device=device)
     check_finite_weights(run)
     if (

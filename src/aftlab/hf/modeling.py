@@ -12,8 +12,8 @@ Mamba): no ``DynamicCache`` is made (``_supports_default_dynamic_cache`` is Fals
 seen yet, and ``_update_model_kwargs_for_generation`` hands the returned state to the next
 step. A ``transformers.Cache`` subclass was not used: its interface (layers of key/value
 tensors) does not fit running sums and differs between transformers 4 and 5. The first step of
-``generate`` runs the prompt in one parallel pass (``TransformerBackbone.prefill_embeddings``,
-every mixer's one-pass prefill) and the head on the last position only, as
+``generate`` runs the prompt in one parallel pass (``TransformerLM.prefill``, every mixer's
+one-pass prefill) and the head on the last position only (``logits_to_keep=1``), as
 ``TransformerLM.generate`` does, so greedy decoding gives exactly its tokens.
 
 Limits: prompts in a batch must not be padded (the decoding state has no padding; an
@@ -35,9 +35,9 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.utils import ModelOutput
 
-from .._checks import check_state_dtypes
+from .._checks import check_state_dtypes, check_tokens
 from ..errors import reason
-from ..models.generation import DecodingCache, check_tokens
+from ..models.generation import DecodingCache
 from ..models.transformer import TransformerLM
 from .configuration import AftlabConfig
 
@@ -210,12 +210,7 @@ class AftlabForCausalLM(PreTrainedModel, GenerationMixin):
                     "length without padding"
                 )
             if state is None:
-                check_tokens(
-                    where, "input_ids", input_ids, ndim=2, vocab_size=lm.config.vocab_size
-                )
-                bb = lm.backbone
-                h, state = bb.prefill_embeddings(bb.token_embedding(input_ids))
-                logits = lm.head(h[:, -logits_to_keep:] if logits_to_keep else h)
+                logits, state = lm.prefill(input_ids, logits_to_keep=logits_to_keep)
             else:
                 if not isinstance(state, DecodingCache):
                     raise TypeError(
@@ -229,11 +224,7 @@ class AftlabForCausalLM(PreTrainedModel, GenerationMixin):
                 logits = logits[:, -logits_to_keep:] if logits_to_keep else logits
         else:
             mask = attention_mask.bool() if padded else None
-            if logits_to_keep:
-                h = lm.backbone(input_ids, padding_mask=mask)[:, -logits_to_keep:]
-                logits = lm.head(h)
-            else:
-                logits = lm(input_ids, padding_mask=mask)
+            logits = lm(input_ids, padding_mask=mask, logits_to_keep=logits_to_keep)
         loss = None
         if labels is not None:
             if logits.shape[1] != labels.shape[1]:

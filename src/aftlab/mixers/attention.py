@@ -193,8 +193,6 @@ class MultiHeadAttention(SequenceMixer):
         torch.Size([2, 5, 32])
     """
 
-    parallel_prefill = True
-
     config_options = ("head_dim", "scaled", "rotary")
 
     def __init__(
@@ -296,22 +294,31 @@ class MultiHeadAttention(SequenceMixer):
 
     # ------------------------------------------------------------------ interface
 
-    def _forward(
-        self, x: torch.Tensor, padding_mask: torch.Tensor | None, return_state: bool
-    ) -> torch.Tensor | tuple[torch.Tensor, KVCache]:
+    def _forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None) -> torch.Tensor:
         """Attend over ``x: (B, T, d)``; padded keys (``padding_mask`` False) are ignored.
 
         Args:
             x: ``(B, T, d)``.
             padding_mask: bool ``(B, T)``, True for real tokens.
-            return_state: also return the :class:`KVCache` of the ``T`` tokens (their rotated
-                keys and values from this pass), as ``T`` calls of :meth:`step` leave it.
 
         Returns:
-            ``(B, T, d)`` (and the cache). A query whose allowed keys are all padding outputs
-            zeros; one that sees a non-finite query, key or value outputs NaN, and only those
+            ``(B, T, d)``. A query whose allowed keys are all padding outputs zeros; one that
+            sees a non-finite query, key or value outputs NaN, and only those
             (:func:`_nan_outputs`).
         """
+        return self._mix(x, padding_mask)[0]
+
+    def _prefill(self, x: torch.Tensor) -> tuple[torch.Tensor, KVCache]:
+        """:meth:`_forward` and the :class:`KVCache` of the ``T`` tokens (their rotated keys and
+        values from the same pass), as ``T`` calls of :meth:`step` leave it."""
+        out, qkv = self._mix(x, None)
+        _, k, v = self._split(qkv, 0)  # the cache keeps the non-finite keys, as stepping does
+        return out, KVCache.from_prefix(k, v)
+
+    def _mix(
+        self, x: torch.Tensor, padding_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_forward`'s output and the projections ``qkv: (B, T, 3 H m)`` it came from."""
         qkv = self.qkv(x)
         allowed, has_key = self._masks(x.shape[1], padding_mask, x.device)
         # a NaN or inf reaches only the outputs that see it (_nan_outputs)
@@ -321,10 +328,7 @@ class MultiHeadAttention(SequenceMixer):
         out = torch.where(_nan_outputs(bad, padding_mask, self.causal), float("nan"), out)
         if has_key is not None:
             out = out.masked_fill(~has_key[:, 0], 0.0)
-        if not return_state:
-            return out
-        _, k, v = self._split(qkv, 0)  # the cache keeps the non-finite keys, as stepping does
-        return out, KVCache.from_prefix(k, v)
+        return out, qkv
 
     def _init_state(
         self, batch_size: int, device: torch.device | str, dtype: torch.dtype

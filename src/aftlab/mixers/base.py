@@ -17,11 +17,13 @@ Conventions:
     * A causal mixer also prefills: ``y, state = prefill(x)`` runs a whole prompt
       ``x: (B, T, d_model)`` and returns ``forward(x)`` with the state after its ``T`` tokens
       (equal, within float tolerance, to ``T`` calls of ``step``). Every built-in mixer does this
-      in one parallel pass (``parallel_prefill``); any other is prefilled by ``T`` calls of
-      ``step``.
+      in one parallel pass (its :meth:`SequenceMixer._prefill`); any other is prefilled by ``T``
+      calls of ``_step``.
     * A subclass implements hooks; the public methods validate, fill defaults and call them:
-      ``forward`` -> :meth:`SequenceMixer._forward`, ``init_state`` ->
-      :meth:`SequenceMixer._init_state`, ``step`` -> :meth:`SequenceMixer._step`. A mixer takes
+      ``forward`` -> :meth:`SequenceMixer._forward`, ``prefill`` ->
+      :meth:`SequenceMixer._prefill`, ``init_state`` -> :meth:`SequenceMixer._init_state`,
+      ``step`` -> :meth:`SequenceMixer._step`. A block of a model calls the hooks of ``prefill``
+      and ``step`` itself: the model's entry points have validated their inputs. A mixer takes
       plain keyword arguments and knows nothing of models; a model builds its mixers from its
       config with :func:`aftlab.models.blocks.mixer_from_config`.
     * Initialisation: a model built on mixers (:mod:`aftlab.models`) first initialises every
@@ -123,12 +125,13 @@ def _state_parts(value: object, path: str = "", grows: tuple[int, ...] = ()) -> 
 class SequenceMixer(nn.Module):
     """Base class of token mixers.
 
-    Subclasses implement :meth:`_forward`, and causal ones :meth:`_init_state` and :meth:`_step`;
-    the public :meth:`forward`, :meth:`init_state`, :meth:`step` and :meth:`prefill` validate
-    their arguments and call them, so every mixer has the same guards. Every subclass accepts
-    the common keyword-only constructor arguments below (and may ignore those it has no use
-    for) plus its own, typed keyword-only options; it passes the common ones on as
-    ``**common``: ``def __init__(self, *, window: int = 32, **common)``.
+    Subclasses implement :meth:`_forward`, and causal ones :meth:`_init_state` and :meth:`_step`
+    (and :meth:`_prefill` for a one-pass prefill); the public :meth:`forward`, :meth:`prefill`,
+    :meth:`init_state` and :meth:`step` validate their arguments and call them, so every mixer
+    has the same guards. Every subclass accepts the common keyword-only constructor arguments
+    below (and may ignore those it has no use for) plus its own, typed keyword-only options; it
+    passes the common ones on as ``**common``: ``def __init__(self, *, window: int = 32,
+    **common)``.
 
     Args:
         d_model: model width ``d``.
@@ -145,9 +148,6 @@ class SequenceMixer(nn.Module):
     #: True for mixers that cannot see past ``max_seq_len`` positions, forward or decoding
     #: (a ``T_max x T_max`` position bias); callers such as ``generate`` check it up front.
     length_limited: ClassVar[bool] = False
-    #: True for mixers whose :meth:`_forward` returns the decoding state with
-    #: ``return_state=True`` (one parallel prefill); the others are prefilled step by step
-    parallel_prefill: ClassVar[bool] = False
     #: options a model fills from its config besides :data:`COMMON_ARGS`, by name (attention:
     #: ``("head_dim", "scaled", "rotary")``; ``aft-decay``: ``("layer_idx", "n_layers")``); what
     #: each name means: :data:`aftlab.models.blocks.CONFIG_OPTIONS`
@@ -201,38 +201,34 @@ class SequenceMixer(nn.Module):
 
     # ----------------------------------------------------------------- validation
     def _check_input(
-        self, x: torch.Tensor, padding_mask: torch.Tensor | None, *, return_state: bool = False
+        self, x: torch.Tensor, padding_mask: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Validate ``x: (B, T, d_model)`` and ``padding_mask: (B, T)`` bool; return them.
-
-        With ``return_state`` (a prefill) the mixer must be causal, ``x`` must hold at least one
-        token and ``padding_mask`` must be None: decoding has no padding.
-        """
+        """Validate ``x: (B, T, d_model)`` and ``padding_mask: (B, T)`` bool; return them."""
         where = type(self).__name__
         check_tensor(where, "x", x, shape=(None, None, self.d_model), floating=True)
-        if return_state:
-            if not self.causal:
-                raise RuntimeError(
-                    f"{where}: return_state=True needs a causal mixer; this one has causal=False"
-                )
-            if x.shape[1] == 0:
-                raise ValueError(
-                    f"{where}: return_state=True needs at least one token in 'x', "
-                    f"got shape {tuple(x.shape)}"
-                )
-            if padding_mask is not None:
-                raise ValueError(
-                    f"{where}: return_state=True takes no 'padding_mask' (decoding has no "
-                    f"padding), got a padding_mask of shape {tuple(padding_mask.shape)}"
-                )
         if padding_mask is not None:
             check_padding_mask(where, padding_mask, tuple(x.shape[:2]), "x", x)
+        self._check_length(x)
+        return x, padding_mask
+
+    def _check_prefill_input(self, x: torch.Tensor) -> torch.Tensor:
+        """Validate a prompt ``x: (B, T, d_model)`` (``T = 0`` allowed) of a causal mixer."""
+        where = type(self).__name__
+        if not self.causal:
+            raise RuntimeError(
+                f"{where}: prefill() needs a causal mixer; this one has causal=False"
+            )
+        check_tensor(where, "x", x, shape=(None, None, self.d_model), floating=True)
+        self._check_length(x)
+        return x
+
+    def _check_length(self, x: torch.Tensor) -> None:
+        """A length-limited mixer runs sequences ``x: (B, T, d)`` of ``T <= max_seq_len``."""
         if self.length_limited and self.max_seq_len is not None and x.shape[1] > self.max_seq_len:
             raise ValueError(
-                f"{where}: sequence length {x.shape[1]} of 'x' exceeds max_seq_len "
+                f"{type(self).__name__}: sequence length {x.shape[1]} of 'x' exceeds max_seq_len "
                 f"(T_max) = {self.max_seq_len}"
             )
-        return x, padding_mask
 
     def _check_step_input(self, x: torch.Tensor) -> torch.Tensor:
         where = type(self).__name__
@@ -249,51 +245,26 @@ class SequenceMixer(nn.Module):
             )
 
     # ----------------------------------------------------------------- interface
-    def forward(
-        self,
-        x: torch.Tensor,
-        *,
-        padding_mask: torch.Tensor | None = None,
-        return_state: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, MixerState]:
+    def forward(self, x: torch.Tensor, *, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Mix ``x: (B, T, d_model)`` over time; returns ``(B, T, d_model)``.
 
-        With ``return_state=True`` (causal mixers, no ``padding_mask``, ``T >= 1``) it returns
-        ``(y, state)``: the same ``y`` and the decoding state after the ``T`` tokens, from the
-        same parallel pass when the mixer has one (``parallel_prefill``), else from ``T`` calls
-        of :meth:`step`. Validates the arguments, then calls :meth:`_forward`.
+        Validates the arguments, then calls :meth:`_forward`.
         """
-        x, padding_mask = self._check_input(x, padding_mask, return_state=return_state)
-        if return_state and not self.parallel_prefill:
-            return self._prefill_by_steps(x)
-        return self._forward(x, padding_mask, return_state)
+        x, padding_mask = self._check_input(x, padding_mask)
+        return self._forward(x, padding_mask)
 
     def prefill(self, x: torch.Tensor) -> tuple[torch.Tensor, MixerState]:
         """Run a prompt ``x: (B, T, d_model)``; return ``(forward(x), state after its T tokens)``.
 
         The state equals the one of ``T`` calls of :meth:`step` from ``init_state(B)``, and
-        decoding continues from it at position ``T``. One parallel pass,
-        ``forward(x, return_state=True)``, for a mixer with ``parallel_prefill`` (every
-        built-in one); otherwise, and for ``T = 0``, ``T`` calls of :meth:`step`.
+        decoding continues from it at position ``T``; an empty prompt (``T = 0``) gives the empty
+        state. Validates ``x`` (a causal mixer, no padding: decoding has none), then calls
+        :meth:`_prefill`: one parallel pass for every built-in mixer.
         """
-        where = type(self).__name__
-        if not self.causal:
-            raise RuntimeError(
-                f"{where}: prefill() needs a causal mixer; this one has causal=False"
-            )
-        check_tensor(where, "x", x, shape=(None, None, self.d_model), floating=True)
-        if x.shape[1] and self.parallel_prefill:
-            return self(x, return_state=True)
-        return self._prefill_by_steps(x)
-
-    def _prefill_by_steps(self, x: torch.Tensor) -> tuple[torch.Tensor, MixerState]:
-        """:meth:`prefill` as ``T`` calls of :meth:`step` on a validated ``x: (B, T, d)``."""
-        state = self.init_state(x.shape[0], device=x.device, dtype=x.dtype)
-        ys = []
-        for t in range(x.shape[1]):
-            y, state = self.step(x[:, t], state)
-            ys.append(y)
-        return (torch.stack(ys, 1) if ys else x.new_zeros(x.shape)), state
+        x = self._check_prefill_input(x)
+        if not x.shape[1]:
+            return x.new_zeros(x.shape), self.init_state(x.shape[0], device=x.device, dtype=x.dtype)
+        return self._prefill(x)
 
     def init_state(
         self,
@@ -383,15 +354,23 @@ class SequenceMixer(nn.Module):
         return self._step(x, state)
 
     # ----------------------------------------------------------------- hooks
-    def _forward(
-        self, x: torch.Tensor, padding_mask: torch.Tensor | None, return_state: bool
-    ) -> torch.Tensor | tuple[torch.Tensor, MixerState]:
-        """The mixer itself, on validated arguments (see :meth:`forward`).
-
-        ``return_state`` is True only for a causal mixer with ``parallel_prefill``; it then
-        returns ``(y, state)``.
-        """
+    def _forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None) -> torch.Tensor:
+        """The mixer itself, on validated arguments (see :meth:`forward`)."""
         raise NotImplementedError(f"{type(self).__name__} does not implement _forward")
+
+    def _prefill(self, x: torch.Tensor) -> tuple[torch.Tensor, MixerState]:
+        """:meth:`prefill` of a validated prompt ``x: (B, T, d_model)``, ``T >= 1``.
+
+        This default makes ``T`` calls of :meth:`_step` from :meth:`_init_state`. A mixer with a
+        one-pass prefill overrides it: ``y`` is then :meth:`_forward`'s, bit for bit, and the
+        state is reduced from the same pass.
+        """
+        state = self._init_state(x.shape[0], x.device, x.dtype)
+        ys = []
+        for t in range(x.shape[1]):
+            y, state = self._step(x[:, t], state)
+            ys.append(y)
+        return torch.stack(ys, 1), state
 
     def _init_state(
         self, batch_size: int, device: torch.device | str, dtype: torch.dtype

@@ -55,7 +55,7 @@ def unregister_mixer(name: str) -> type[SequenceMixer]:
         >>> from aftlab.mixers import SequenceMixer, register_mixer, unregister_mixer
         >>> @register_mixer("doc-identity")
         ... class Identity(SequenceMixer):
-        ...     def _forward(self, x, padding_mask, return_state):
+        ...     def _forward(self, x, padding_mask):
         ...         return x
         >>> unregister_mixer("doc-identity") is Identity
         True

@@ -168,13 +168,26 @@ class TransformerBlock(nn.Module):
         """``forward(x)`` on a prompt ``x: (B, T, d)`` and the mixer state after its ``T`` tokens.
 
         The mixer's :meth:`~aftlab.mixers.SequenceMixer.prefill`: one parallel pass for every
-        built-in mixer.
+        built-in mixer. Checks ``x`` (before the first norm reads it); the mixer its own input.
         """
         shape = (None, None, self.d_model)
         check_tensor("TransformerBlock.prefill", "x", x, shape=shape, floating=True)
         return self._residual_with_state(x, self.mixer.prefill)
 
     def step(self, x: torch.Tensor, state: MixerState) -> tuple[torch.Tensor, MixerState]:
-        """One decoding step of the block; norms and feed-forward act per token."""
+        """One decoding step of the block; norms and feed-forward act per token.
+
+        Checks ``x``; the mixer its own input and ``state``
+        (:meth:`~aftlab.mixers.SequenceMixer.step`).
+        """
         check_tensor("TransformerBlock.step", "x", x, shape=(None, self.d_model), floating=True)
         return self._residual_with_state(x, lambda u: self.mixer.step(u, state))
+
+    # the backbone's calls, on inputs its model validated: the mixer's hooks, unchecked
+    def _prefill(self, x: torch.Tensor) -> tuple[torch.Tensor, MixerState]:
+        """:meth:`prefill` unchecked: the mixer's :meth:`~aftlab.mixers.SequenceMixer._prefill`."""
+        return self._residual_with_state(x, self.mixer._prefill)
+
+    def _step(self, x: torch.Tensor, state: MixerState) -> tuple[torch.Tensor, MixerState]:
+        """:meth:`step` unchecked: the mixer's :meth:`~aftlab.mixers.SequenceMixer._step`."""
+        return self._residual_with_state(x, lambda u: self.mixer._step(u, state))

@@ -15,19 +15,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 from .._checks import check_state_dtypes
 from .config import TransformerConfig
-
-if TYPE_CHECKING:
-    from .transformer import TransformerLM
+from .transformer import TransformerLM
 
 __all__ = ["gpt2_config_from_state_dict", "convert_gpt2_state_dict", "load_gpt2_state_dict"]
-
-LM = TypeVar("LM", bound="TransformerLM")
 
 _WHERE = "from_gpt2_state_dict"
 _LAYER = re.compile(r"^h\.(\d+)\.")
@@ -147,14 +142,13 @@ def convert_gpt2_state_dict(
 
 
 def load_gpt2_state_dict(
-    cls: type[LM],
     state_dict: Mapping[str, torch.Tensor],
     *,
     config: TransformerConfig | None = None,
     n_heads: int | None = None,
     layer_norm_eps: float = 1e-5,
-) -> LM:
-    """Build ``cls`` (a :class:`~aftlab.models.TransformerLM`) from a GPT-2 state dict.
+) -> TransformerLM:
+    """Build a :class:`~aftlab.models.TransformerLM` from a GPT-2 state dict.
 
     The config is inferred from the shapes (:func:`gpt2_config_from_state_dict`) unless given;
     the number of heads is not in the shapes, so pass ``n_heads`` or a ``config``.
@@ -164,7 +158,7 @@ def load_gpt2_state_dict(
             wrongly shaped tensor (named with expected and received shape), or one of a dtype
             that is not floating point (:func:`aftlab._checks.check_state_dtypes`).
     """
-    where = f"{cls.__name__}.from_gpt2_state_dict"
+    where = "TransformerLM.from_gpt2_state_dict"
     if config is None:
         if n_heads is None:
             raise ValueError(
@@ -174,7 +168,7 @@ def load_gpt2_state_dict(
         config = gpt2_config_from_state_dict(
             state_dict, n_heads=n_heads, layer_norm_eps=layer_norm_eps
         )
-    model = cls(config)
+    model = TransformerLM(config)
     converted = convert_gpt2_state_dict(state_dict, config)
     own = model.state_dict()
     for key, value in converted.items():

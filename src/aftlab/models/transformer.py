@@ -10,36 +10,37 @@ logits are ``h E^T`` with a tied head (``config.tie_embeddings``). Initialisatio
 :mod:`aftlab.models.generation`; loading GPT-2 weights: :mod:`aftlab.models.gpt2`.
 
 Validation: the models' entry points (``forward``, ``prefill``, ``step``, ``generate``) check
-their token ids and padding mask (:func:`~aftlab.models.generation.check_tokens`: the id range
-only on CPU tensors outside ``torch.compile``, so that no forward pass syncs the host); a
-block and its mixer (public modules too) check only shapes and dtypes, and the mixer calls its
-op without the op's checks. Before anything is built, each model checks that its parameters fit
-in memory (:func:`~aftlab.models.memory.check_model_fits`).
+their token ids and padding mask (:func:`~aftlab._checks.check_tokens`: the id range only on
+CPU tensors outside ``torch.compile``, so that no forward pass syncs the host), ``prefill`` the
+length and ``step`` the cache; below them ``prefill`` and ``step`` run the blocks' and mixers'
+hooks, unchecked. ``forward`` calls each block as a module (FSDP's hooks), and a block and its
+mixer (public modules too) check shapes and dtypes; the mixer calls its op without the op's
+checks. Before anything is built, each model checks that its parameters fit in memory
+(:func:`~aftlab.models.memory.check_model_fits`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._checks import check_choice, check_padding_mask, check_positive_int
+from .._checks import (
+    check_choice,
+    check_floating_dtype,
+    check_padding_mask,
+    check_positive_int,
+    check_tokens,
+)
 from ..mixers import SequenceMixer
 from ..mixers.base import is_residual_projection
+from . import generation
 from .blocks import FeedForward, TransformerBlock
 from .config import TransformerConfig
-from .generation import (
-    CacheMixin,
-    DecodingCache,
-    GenerateMixin,
-    check_sampling_args,
-    check_tokens,
-    sample_next_token,
-)
-from .gpt2 import load_gpt2_state_dict
+from .generation import DecodingCache, LengthLimit, check_sampling_args, sample_next_token
 from .memory import check_model_fits
 from .positional import sinusoidal_positions
 
@@ -79,6 +80,11 @@ def _check_padding_mask(
     if mask is None:
         return None
     return check_padding_mask(where, mask, tuple(idx.shape[:2]), "idx", idx)
+
+
+def _last(h: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
+    """The last ``logits_to_keep`` positions of ``h: (B, T, d)`` (0: all)."""
+    return h[:, -logits_to_keep:] if logits_to_keep else h
 
 
 # --------------------------------------------------------------------------- initialisation
@@ -124,7 +130,7 @@ def init_weights(module: nn.Module, config: TransformerConfig) -> None:
 
 
 # --------------------------------------------------------------------------- backbone
-class TransformerBackbone(CacheMixin, nn.Module):
+class TransformerBackbone(nn.Module):
     """Embeddings, blocks and final norm shared by every model here.
 
     Positional encodings (``config.positional``): ``"learned"`` adds a trained table
@@ -187,21 +193,70 @@ class TransformerBackbone(CacheMixin, nn.Module):
             h = block(h, padding_mask=padding_mask)
         return self.final_norm(h)
 
+    # ------------------------------------------------------------------ decoding
+    def _check_causal(self) -> None:
+        if not self.config.causal:
+            raise RuntimeError(f"{self.where}: incremental decoding needs config.causal=True")
+
+    @property
+    def length_limit(self) -> LengthLimit | None:
+        """``max_seq_len`` and what sets it, when positions past it cannot run: the learned
+        positional table, or a length-limited mixer (``aft-full``, ``aft-local``); else None."""
+        if self.config.positional == "learned":
+            return LengthLimit(self.config.max_seq_len, "the learned positional table")
+        limited = [b.mixer.name for b in self.blocks if b.mixer.length_limited]
+        return LengthLimit(self.config.max_seq_len, limited[0]) if limited else None
+
+    def check_length(self, where: str, name: str, length: int) -> None:
+        """Raise unless a sequence ``name`` of ``length`` positions is within
+        :attr:`length_limit`."""
+        limit = self.length_limit
+        if limit is not None and length > limit.max_seq_len:
+            raise ValueError(
+                f"{where}: sequence length {length} of {name!r} exceeds max_seq_len = "
+                f"{limit.max_seq_len}, the limit of {limit.source!r}"
+            )
+
+    def init_cache(
+        self,
+        batch_size: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> DecodingCache:
+        """An empty :class:`DecodingCache`: each block's ``mixer.init_state(batch_size)``, on
+        ``device`` and in ``dtype`` (by default the token embedding's).
+
+        Raises:
+            RuntimeError: the model is not causal.
+            ValueError: ``batch_size`` is not a positive int.
+            DTypeError: ``dtype`` is not a floating-point dtype (a ``ValueError``).
+        """
+        check_positive_int(self.where, "batch_size", batch_size)
+        self._check_causal()
+        w = self.token_embedding.weight
+        device = device or w.device
+        dtype = w.dtype if dtype is None else check_floating_dtype(self.where, "dtype", dtype)
+        states = [b.mixer.init_state(batch_size, device=device, dtype=dtype) for b in self.blocks]
+        return DecodingCache(states=states, position=0, batch_size=batch_size)
+
     def prefill_embeddings(self, h: torch.Tensor) -> tuple[torch.Tensor, DecodingCache]:
         """Run a prompt's embeddings ``h: (B, T, d)`` (no positions yet) through the stack at once.
+
+        The model's ``prefill`` has checked the prompt (its ids and :meth:`check_length`); the
+        blocks run their mixers' one-pass prefill unchecked (:meth:`TransformerBlock._prefill`).
 
         Returns:
             ``(hidden, cache)``: the hidden states ``(B, T, d)`` of :meth:`forward_embeddings`
             and the :class:`DecodingCache` after the ``T`` tokens (``position = T``), each
-            block's mixer state taken from the same pass (:meth:`TransformerBlock.prefill`).
+            block's mixer state taken from the same pass.
         """
-        if not self.config.causal:
-            raise RuntimeError(f"{self.where}: incremental decoding needs config.causal=True")
+        self._check_causal()
         B, T = h.shape[:2]
         h = self._inputs(h)
         states = []
         for block in self.blocks:
-            h, state = block.prefill(h)
+            h, state = block._prefill(h)
             states.append(state)
         return self.final_norm(h), DecodingCache(states=states, position=T, batch_size=B)
 
@@ -212,7 +267,12 @@ class TransformerBackbone(CacheMixin, nn.Module):
         return self.forward_embeddings(self.token_embedding(idx), padding_mask=padding_mask)
 
     def step_embeddings(self, h: torch.Tensor, cache: DecodingCache) -> torch.Tensor:
-        """One decoding step from the input embedding ``h: (B, d)``; advances ``cache``."""
+        """One decoding step from the input embedding ``h: (B, d)``; advances ``cache``.
+
+        Checks ``cache`` (each state: :meth:`~aftlab.mixers.SequenceMixer.check_state`), then
+        runs the blocks' unchecked steps (:meth:`TransformerBlock._step`).
+        """
+        self._check_causal()
         if not isinstance(cache, DecodingCache):
             raise TypeError(
                 f"{self.where}: 'cache' must be a DecodingCache, got {type(cache).__name__}"
@@ -234,7 +294,7 @@ class TransformerBackbone(CacheMixin, nn.Module):
             h = h + pos[0]
         h = self.drop(h)
         for i, block in enumerate(self.blocks):
-            h, cache.states[i] = block.step(h, cache.states[i])
+            h, cache.states[i] = block._step(h, cache.states[i])
         cache.position += 1
         return self.final_norm(h)
 
@@ -245,12 +305,14 @@ def _count(module: nn.Module, exclude: Sequence[nn.Module | None]) -> int:
 
 
 # --------------------------------------------------------------------------- language model
-class TransformerLM(GenerateMixin, nn.Module):
+class TransformerLM(nn.Module):
     """Causal language model: ``logits = LN_f(Blocks(E[idx] + P)) W_head^T``.
 
     The head ``W_head: (V, d)`` is the token embedding itself when ``config.tie_embeddings``.
     Decoding works with any causal mixer through its ``init_state``/``step``; :meth:`generate`
-    first feeds the prompt in one parallel pass (:meth:`prefill`).
+    first feeds the prompt in one parallel pass (:meth:`prefill`). A
+    :class:`~aftlab.models.generation.CausalLM`: :func:`~aftlab.models.generation.generate`
+    decodes it.
 
     Args:
         config: a :class:`TransformerConfig` with ``causal=True``.
@@ -289,21 +351,28 @@ class TransformerLM(GenerateMixin, nn.Module):
         return {"idx": batch["input"], "padding_mask": batch.get("padding_mask")}
 
     def forward(
-        self, idx: torch.Tensor, *, padding_mask: torch.Tensor | None = None
+        self,
+        idx: torch.Tensor,
+        *,
+        padding_mask: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
     ) -> torch.Tensor:
         """Next-token logits.
 
         Args:
             idx: token ids ``(B, T)``, ``T <= max_seq_len`` with learned positions.
             padding_mask: bool ``(B, T)``, True for real tokens; padded keys are ignored.
+            logits_to_keep: the logits of the last ``logits_to_keep`` positions only (0: all).
 
         Returns:
-            ``(B, T, vocab_size)``: ``logits[:, t]`` scores token ``t + 1``.
+            ``(B, T, vocab_size)``: ``logits[:, t]`` scores token ``t + 1``; ``(B, n,
+            vocab_size)`` for the last ``n = logits_to_keep`` positions.
         """
         where = type(self).__name__
         check_tokens(where, "idx", idx, ndim=2, vocab_size=self.config.vocab_size, in_forward=True)
         _check_padding_mask(where, padding_mask, idx)
-        return self.head(self.backbone(idx, padding_mask=padding_mask))
+        check_positive_int(where, "logits_to_keep", logits_to_keep, allow_zero=True)
+        return self.head(_last(self.backbone(idx, padding_mask=padding_mask), logits_to_keep))
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Number of parameters (a tied head counted once).
@@ -318,27 +387,48 @@ class TransformerLM(GenerateMixin, nn.Module):
         )
 
     # ------------------------------------------------------------------ decoding
-    # init_cache, generate and stream_generate: GenerateMixin (models/generation.py)
-    def prefill(self, idx: torch.Tensor) -> tuple[torch.Tensor, DecodingCache]:
+    @property
+    def vocab_size(self) -> int:
+        """``config.vocab_size``: token ids lie in ``[0, vocab_size)``."""
+        return self.config.vocab_size
+
+    @property
+    def length_limit(self) -> LengthLimit | None:
+        """The longest sequence this model runs (:attr:`TransformerBackbone.length_limit`)."""
+        return self.backbone.length_limit
+
+    def init_cache(self, batch_size: int, **device_dtype) -> DecodingCache:
+        """The empty cache to decode from: :meth:`TransformerBackbone.init_cache` (keywords
+        ``device``, ``dtype``)."""
+        return self.backbone.init_cache(batch_size, **device_dtype)
+
+    def prefill(
+        self, idx: torch.Tensor, *, logits_to_keep: int = 0
+    ) -> tuple[torch.Tensor, DecodingCache]:
         """Feed a whole prompt in one parallel pass and return the cache to decode on from.
 
         Every block's mixer returns its decoding state from the same pass that computes the
         hidden states (:meth:`~aftlab.mixers.SequenceMixer.prefill`), instead of ``T`` calls of
         :meth:`step`; the cache equals theirs (within float rounding), and so do the logits that
-        follow.
+        follow. The one check of the call: ``idx`` (its ids on every device) and its length;
+        the blocks and mixers below do not check again.
 
         Args:
             idx: token ids ``(B, T)``, ``T >= 1``; ``T <= max_seq_len`` with learned positions or
                 a length-limited mixer (``aft-full``, ``aft-local``).
+            logits_to_keep: the logits of the last ``logits_to_keep`` positions only (0: all);
+                ``generate`` takes 1, the next token's.
 
         Returns:
-            ``(logits, cache)``: ``forward(idx)``'s ``(B, T, vocab_size)`` and the
-            :class:`DecodingCache` at ``position = T``.
+            ``(logits, cache)``: ``forward(idx)``'s ``(B, T, vocab_size)`` (its last
+            ``logits_to_keep`` positions) and the :class:`DecodingCache` at ``position = T``.
         """
         where = type(self).__name__
         check_tokens(where, "idx", idx, ndim=2, vocab_size=self.config.vocab_size)
+        check_positive_int(where, "logits_to_keep", logits_to_keep, allow_zero=True)
+        self.backbone.check_length(where, "idx", idx.shape[1])
         h, cache = self.backbone.prefill_embeddings(self.backbone.token_embedding(idx))
-        return self.head(h), cache
+        return self.head(_last(h, logits_to_keep)), cache
 
     def step(self, tokens: torch.Tensor, cache: DecodingCache) -> torch.Tensor:
         """Feed one token per sequence at position ``cache.position``; updates ``cache`` in place.
@@ -356,6 +446,21 @@ class TransformerLM(GenerateMixin, nn.Module):
         h = self.backbone.step_embeddings(self.backbone.token_embedding(tokens), cache)
         return self.head(h)
 
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int, **sampling) -> torch.Tensor:
+        """Continue ``prompt`` by ``max_new_tokens`` sampled tokens: ``(B, T0 + N)``.
+
+        :func:`aftlab.models.generation.generate` of this model; ``sampling``: its keywords
+        ``temperature``, ``top_k``, ``generator``.
+        """
+        return generation.generate(self, prompt, max_new_tokens, **sampling)
+
+    def stream_generate(
+        self, prompt: torch.Tensor, max_new_tokens: int, **sampling
+    ) -> Iterator[torch.Tensor]:
+        """Like :meth:`generate`, yielding each new token ``(B,)`` as soon as it is drawn
+        (:func:`aftlab.models.generation.stream_generate`)."""
+        return generation.stream_generate(self, prompt, max_new_tokens, **sampling)
+
     # ------------------------------------------------------------------ GPT-2
     @classmethod
     def from_gpt2_state_dict(
@@ -368,9 +473,9 @@ class TransformerLM(GenerateMixin, nn.Module):
     ) -> TransformerLM:
         """Build a model from a Hugging Face ``GPT2LMHeadModel`` (or ``GPT2Model``) state dict.
 
-        :func:`~aftlab.models.gpt2.load_gpt2_state_dict`: the config is inferred from the
-        shapes unless given; the number of heads is not in the shapes, so pass ``n_heads``
-        (``GPT2Config.n_head``) or a ``config``.
+        :func:`~aftlab.models.gpt2.load_gpt2_state_dict` (which imports this module): the
+        config is inferred from the shapes unless given; the number of heads is not in the
+        shapes, so pass ``n_heads`` (``GPT2Config.n_head``) or a ``config``.
 
         Example:
             >>> from transformers import GPT2Config, GPT2LMHeadModel  # doctest: +SKIP
@@ -382,8 +487,10 @@ class TransformerLM(GenerateMixin, nn.Module):
             ValueError: ``n_heads`` missing or not dividing ``n_embd``; a missing, unexpected or
                 wrongly shaped tensor (named with expected and received shape).
         """
+        from .gpt2 import load_gpt2_state_dict
+
         return load_gpt2_state_dict(
-            cls, state_dict, config=config, n_heads=n_heads, layer_norm_eps=layer_norm_eps
+            state_dict, config=config, n_heads=n_heads, layer_norm_eps=layer_norm_eps
         )
 
 
@@ -438,7 +545,7 @@ class TransformerClassifier(nn.Module):
 
 
 # --------------------------------------------------------------------------- pixels
-class PixelTransformer(CacheMixin, nn.Module):
+class PixelTransformer(nn.Module):
     """Autoregressive model of flattened images: ``p(x) = prod_t p(x_t | x_<t)``.
 
     The input sequence is ``[s, x_0, ..., x_{N-2}]`` with ``s`` a learned start embedding, so
@@ -534,6 +641,27 @@ class PixelTransformer(CacheMixin, nn.Module):
         nll = F.cross_entropy(logits.transpose(1, 2).float(), pixels, reduction="none")
         return nll.mean(dim=1) / math.log(2.0)
 
+    init_cache = TransformerLM.init_cache  # the backbone's, as the LM's
+
+    def prefill(
+        self, pixels: torch.Tensor, *, logits_to_keep: int = 0
+    ) -> tuple[torch.Tensor, DecodingCache]:
+        """Feed known pixels ``(B, T)`` in one parallel pass: ``forward(pixels)``'s logits (the
+        last ``logits_to_keep`` positions; 0: all) and the cache at position ``T``.
+
+        The pass reads the start token and ``pixels[:, :-1]``; the next :meth:`step` feeds
+        ``pixels[:, -1]`` and returns the logits of pixel ``T``.
+        """
+        check_positive_int(type(self).__name__, "logits_to_keep", logits_to_keep, allow_zero=True)
+        return self._prefill(self._flatten(pixels), logits_to_keep)
+
+    def _prefill(
+        self, pixels: torch.Tensor, logits_to_keep: int
+    ) -> tuple[torch.Tensor, DecodingCache]:
+        """:meth:`prefill` of checked ``pixels: (B, T)``."""
+        h, cache = self.backbone.prefill_embeddings(self._inputs(pixels))
+        return self.head(_last(h, logits_to_keep)), cache
+
     def step(self, pixels: torch.Tensor | None, cache: DecodingCache) -> torch.Tensor:
         """Feed the previous pixel ``(B,)`` (``None`` at position 0: the start token).
 
@@ -586,17 +714,17 @@ class PixelTransformer(CacheMixin, nn.Module):
                     f"got {tuple(prefix.shape)}"
                 )
             known = prefix.shape[1]
+        if known == self.num_pixels:
+            return prefix.clone()
         out: list[torch.Tensor] = []
         prev = None
         if known:  # the start token and the prefix but its last pixel, in one parallel pass
-            _, cache = self.backbone.prefill_embeddings(self._inputs(prefix))
+            _, cache = self._prefill(prefix, 1)
             out, prev = list(prefix.unbind(1)), prefix[:, -1]
         else:
             cache = self.init_cache(batch_size)
-        for _ in range(known, self.num_pixels):
-            logits = self.step(prev, cache)
-            prev = sample_next_token(
-                logits, temperature=temperature, top_k=top_k, generator=generator
-            )
-            out.append(prev)
+        out += generation.draw_tokens(
+            self, self.step(prev, cache), cache, self.num_pixels - known,
+            temperature=temperature, top_k=top_k, generator=generator,
+        )
         return torch.stack(out, dim=1)

@@ -80,14 +80,25 @@ __all__ = [
 # --------------------------------------------------------------------------- devices, processes
 
 
-def resolve_device(name: str, *, local_rank: int = 0) -> torch.device:
-    """``"auto"`` -> CUDA (this process's local rank) when available, else CPU."""
+def resolve_device(name: str, *, arg: str = "--set device", local_rank: int = 0) -> torch.device:
+    """The device ``name`` (``auto``, ``cpu``, ``cuda`` or ``cuda:N``: checked where it is
+    read) on this machine; ``"auto"`` is CUDA (this process's local rank) when available.
+
+    The one check that the machine has the device, named ``arg`` in the error.
+
+    Raises:
+        UsageError: CUDA is not available, or there is no ``cuda:N``.
+    """
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda"):
-        if not torch.cuda.is_available():
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise UsageError(f"{arg} is {name!r} but CUDA is not available here; use cpu")
+        if name != "cuda" and int(name[5:]) >= count:
             raise UsageError(
-                f"device {name!r} requested but CUDA is not available (use --set device=cpu)"
+                f"{arg} is {name!r} but this machine has {count} CUDA device(s): cuda:0 .. "
+                f"cuda:{count - 1}"
             )
         if name == "cuda":
             name = f"cuda:{local_rank}"
@@ -298,15 +309,15 @@ class Trainer:
         ckpt = latest_checkpoint(self.run_dir) if self.resume else None
         if ckpt is not None:
             self._check_resume(ckpt)
-        per_rank, rem = divmod(cfg.batch_size, self.dist.world_size)
-        if rem or per_rank % cfg.grad_accum:
+        world = self.dist.world_size
+        if world > 1 and cfg.batch_size % (world * cfg.grad_accum):  # 1: TrainConfig's check
             raise UsageError(
                 f"batch_size={cfg.batch_size} must be a multiple of processes "
-                f"({self.dist.world_size}) x grad_accum ({cfg.grad_accum}); "
+                f"({world}) x grad_accum ({cfg.grad_accum}); "
                 "change --set batch_size=... or grad_accum"
             )
-        self.per_rank = per_rank
-        self.micro = per_rank // cfg.grad_accum
+        self.per_rank = cfg.batch_size // world
+        self.micro = self.per_rank // cfg.grad_accum
         self.task = build_task(cfg)
         self.task_info = _jsonable(self.task.info())
         self.model_config = model_config_for(cfg, self.task)

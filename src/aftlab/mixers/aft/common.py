@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -113,13 +114,15 @@ class AFTMixer(SequenceMixer):
             AFT-conv (one key channel per head).
         **common: the common mixer arguments of :class:`~aftlab.mixers.SequenceMixer`.
 
+    A subclass implements :meth:`_mix` (its forward pass, also returning the keys and values)
+    and, when causal, :meth:`_state_after` (the state a prompt leaves): ``forward`` returns the
+    first's output, ``prefill`` that and the second's state, from one pass.
+
     Shapes:
         :meth:`project` maps ``x: (B, T, d)`` (or ``(B, d)`` for one decoding step) to
         ``q: (..., d)``, ``k: (..., key_dim)``, ``v: (..., d)``; :meth:`output` maps the AFT
         result ``(..., d)`` back to ``(..., d)``.
     """
-
-    parallel_prefill = True
 
     def __init__(self, *, key_dim: int | None = None, **common) -> None:
         super().__init__(**common)
@@ -130,6 +133,25 @@ class AFTMixer(SequenceMixer):
         self.to_v = nn.Linear(d, d, bias=self.bias)
         self.proj = mark_residual_projection(nn.Linear(d, d, bias=self.bias))
         self.drop = nn.Dropout(self.dropout_p)
+
+    def _forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None) -> torch.Tensor:
+        """The output of :meth:`_mix`."""
+        return self._mix(x, padding_mask)[0]
+
+    def _prefill(self, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """The output of :meth:`_mix` and the state reduced from its keys and values."""
+        out, k, v = self._mix(x, None)
+        return out, self._state_after(x, k, v)
+
+    def _mix(
+        self, x: torch.Tensor, padding_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The mixer's pass over ``x: (B, T, d)``: its output and the keys and values it used."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement _mix")
+
+    def _state_after(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+        """The decoding state after the prompt ``x``, from the keys and values of :meth:`_mix`."""
+        raise NotImplementedError(f"{type(self).__name__} does not support incremental decoding")
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``Q = X W^Q, K = X W^K, V = X W^V``."""

@@ -138,13 +138,12 @@ class AFTConvMixer(AFTMixer):
             w.to(dt),
         )
 
-    def _forward(
-        self, x: torch.Tensor, padding_mask: torch.Tensor | None, return_state: bool
-    ) -> torch.Tensor | tuple[torch.Tensor, AFTConvState]:
+    def _mix(
+        self, x: torch.Tensor, padding_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x: (B, T, d_model)`` -> ``(B, T, d_model)``; ``padding_mask: (B, T)``, True = real.
 
-        ``return_state=True`` (causal) also returns the state after the ``T`` tokens, from this
-        pass's keys and values: see :meth:`_state_after`.
+        Also returns the keys ``(B, T, h)`` and values ``(B, T, h, c)`` by head.
         """
         B, T, d = x.shape
         q, k, v, w = self._heads(*self.project(x))
@@ -162,20 +161,19 @@ class AFTConvMixer(AFTMixer):
             y = _aft_conv2d(
                 *(t.reshape(B, H, W, *t.shape[2:]) for t in (q, k, v)), w, padding_mask=grid_mask
             )
-        out = self.output(y.reshape(B, T, d).to(x.dtype), padding_mask)
-        return (out, self._state_after(k[..., 0], v, x.dtype)) if return_state else out
+        return self.output(y.reshape(B, T, d).to(x.dtype), padding_mask), k[..., 0], v
 
-    def _state_after(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> AFTConvState:
+    def _state_after(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> AFTConvState:
         """The decoding state after a prompt's keys ``k (B, T, h)`` and values ``v (B, T, h, c)``.
 
-        ``dtype`` is the model's (as in :meth:`init_state`). The ring buffers hold tokens
+        The state is in ``x``'s dtype (as in :meth:`init_state`). The ring buffers hold tokens
         ``max(0, T - s) .. T - 1`` (slot ``t' mod s``); over the tokens ``t' < T - s`` that left
         the footprint, ``L = logsumexp_t' K_t'`` and ``A = sum_t' e^{K_t' - L} V_t'``, reduced
         in one pass.
         """
         B, T, _ = k.shape
         s = self.kernel_size
-        state = self._init_state(B, k.device, dtype)
+        state = self._init_state(B, k.device, x.dtype)
         cdt = state.v_buf.dtype
         k, v = k.to(torch.float64), v.to(cdt)
         gone = max(0, T - s)

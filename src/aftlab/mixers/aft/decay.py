@@ -100,25 +100,21 @@ class AFTDecay(AFTMixer):
         """
         return torch.exp(self.time_decay.clamp(max=30.0))
 
-    def _forward(
-        self, x: torch.Tensor, padding_mask: torch.Tensor | None, return_state: bool
-    ) -> torch.Tensor | tuple[torch.Tensor, AFTDecayState]:
-        """``dropout(W^O aft_decay(X W^Q, X W^K, X W^V, lambda, u))``, ``(B, T, d)`` -> same.
-
-        ``return_state=True`` also returns the state after the ``T`` tokens, reduced from this
-        pass's keys and values with ``z_t' = K_t' - (T-1-t') lambda``: ``p = max_t' z_t'``,
-        ``a = sum_t' e^{z_t' - p} V_t'``, ``b = sum_t' e^{z_t' - p}``.
-        """
+    def _mix(
+        self, x: torch.Tensor, padding_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``dropout(W^O aft_decay(X W^Q, X W^K, X W^V, lambda, u))``, ``(B, T, d)`` -> same."""
         q, k, v = self.project(x)
-        lam = self.decay()
-        y = _aft_decay(q, k, v, lam, self.time_bonus, padding_mask=padding_mask)
-        out = self.output(y, padding_mask)
-        if not return_state:
-            return out
+        y = _aft_decay(q, k, v, self.decay(), self.time_bonus, padding_mask=padding_mask)
+        return self.output(y, padding_mask), k, v
+
+    def _state_after(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> AFTDecayState:
+        """The state after the prompt's keys and values, with ``z_t' = K_t' - (T-1-t') lambda``:
+        ``p = max_t' z_t'``, ``a = sum_t' e^{z_t' - p} V_t'``, ``b = sum_t' e^{z_t' - p}``."""
         sdt = compute_dtype(x.dtype)
         age = torch.arange(x.shape[1] - 1, -1, -1, device=x.device, dtype=sdt)  # T-1-t'
-        z = k.to(sdt) - age[:, None] * lam.to(sdt)
-        return out, RunningSums.from_tokens(z, v.to(sdt))
+        z = k.to(sdt) - age[:, None] * self.decay().to(sdt)
+        return RunningSums.from_tokens(z, v.to(sdt))
 
     def _init_state(
         self, batch_size: int, device: torch.device | str, dtype: torch.dtype

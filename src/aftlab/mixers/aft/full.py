@@ -106,25 +106,22 @@ class AFTFull(AFTMixer):
         """The init hook: the position bias starts at 0 (:class:`PositionBias`)."""
         self.pos_bias.reset_parameters()
 
-    def _forward(
-        self, x: torch.Tensor, padding_mask: torch.Tensor | None, return_state: bool
-    ) -> torch.Tensor | tuple[torch.Tensor, AFTFullState]:
-        """``x: (B, T, d_model)`` with ``T <= T_max`` -> ``(B, T, d_model)``.
-
-        ``return_state=True`` (causal) also returns the state after the ``T`` tokens: this
-        pass's keys and values in slots ``[0, T)``.
-        """
+    def _mix(
+        self, x: torch.Tensor, padding_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x: (B, T, d_model)`` with ``T <= T_max`` -> ``(B, T, d_model)``."""
         q, k, v = self.project(x)
         q, k, v, w = self.match_dtypes(q, k, v, self.pos_bias.matrix(x.shape[1]))
         y = _aft_full(q, k, v, w, causal=self.causal, padding_mask=padding_mask)
-        out = self.output(y, padding_mask)
-        if not return_state:
-            return out
+        return self.output(y, padding_mask), k, v
+
+    def _state_after(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> AFTFullState:
+        """The state after the prompt: its keys and values in slots ``[0, T)``."""
         state = self._init_state(x.shape[0], x.device, x.dtype)
         T = x.shape[1]
         state.k[:, :T], state.v[:, :T] = k, v  # cast to the state's dtype, as step() does
         state.t = T
-        return out, state
+        return state
 
     def _init_state(
         self, batch_size: int, device: torch.device | str, dtype: torch.dtype

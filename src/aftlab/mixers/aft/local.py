@@ -81,14 +81,10 @@ class AFTLocal(AFTMixer):
             band = torch.stack([(u * vp[j : j + T]).sum(-1) for j in range(geo.W)], 1)
         return band.masked_fill(~inside, 0.0)
 
-    def _forward(
-        self, x: torch.Tensor, padding_mask: torch.Tensor | None, return_state: bool
-    ) -> torch.Tensor | tuple[torch.Tensor, AFTLocalState]:
-        """``x: (B, T, d_model)`` with ``T <= T_max`` -> ``(B, T, d_model)``.
-
-        ``return_state=True`` (causal) also returns the state after the ``T`` tokens, from this
-        pass's keys and values: see :meth:`_state_after`.
-        """
+    def _mix(
+        self, x: torch.Tensor, padding_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x: (B, T, d_model)`` with ``T <= T_max`` -> ``(B, T, d_model)``."""
         q, k, v = self.project(x)
         T = x.shape[1]
         w_band = self.band(T) if self.window > 0 and T > 0 else q.new_zeros(T, 1)
@@ -96,10 +92,9 @@ class AFTLocal(AFTMixer):
         y = _aft_local_band(
             q, k, v, w_band, self.window, causal=self.causal, padding_mask=padding_mask
         )
-        out = self.output(y, padding_mask)
-        return (out, self._state_after(k, v)) if return_state else out
+        return self.output(y, padding_mask), k, v
 
-    def _state_after(self, k: torch.Tensor, v: torch.Tensor) -> AFTLocalState:
+    def _state_after(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> AFTLocalState:
         """The decoding state after the keys and values ``k, v: (B, T, d)`` of a whole prompt.
 
         With ``s = min(window, T_max)``: the ring buffer holds keys and values

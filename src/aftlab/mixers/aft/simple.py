@@ -34,22 +34,19 @@ class AFTSimple(AFTMixer):
         ``step``: ``x (B, d)`` -> ``(B, d)``.
     """
 
-    def _forward(
-        self, x: torch.Tensor, padding_mask: torch.Tensor | None, return_state: bool
-    ) -> torch.Tensor | tuple[torch.Tensor, AFTSimpleState]:
-        """``dropout(W^O aft_simple(X W^Q, X W^K, X W^V))``; ``x: (B, T, d)`` -> ``(B, T, d)``.
-
-        ``return_state=True`` (causal) also returns the state after the ``T`` tokens, reduced
-        from this pass's keys and values: ``p = max_t' K_t'``, ``a = sum_t' e^{K_t' - p} V_t'``,
-        ``b = sum_t' e^{K_t' - p}``.
-        """
+    def _mix(
+        self, x: torch.Tensor, padding_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``dropout(W^O aft_simple(X W^Q, X W^K, X W^V))``; ``x: (B, T, d)`` -> ``(B, T, d)``."""
         q, k, v = self.project(x)
         y = _aft_simple(q, k, v, causal=self.causal, padding_mask=padding_mask)
-        out = self.output(y, padding_mask)
-        if not return_state:
-            return out
+        return self.output(y, padding_mask), k, v
+
+    def _state_after(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> AFTSimpleState:
+        """The state after the prompt's keys and values: ``p = max_t' K_t'``,
+        ``a = sum_t' e^{K_t' - p} V_t'``, ``b = sum_t' e^{K_t' - p}``."""
         sdt = compute_dtype(x.dtype)
-        return out, RunningSums.from_tokens(k.to(sdt), v.to(sdt))
+        return RunningSums.from_tokens(k.to(sdt), v.to(sdt))
 
     def _init_state(
         self, batch_size: int, device: torch.device | str, dtype: torch.dtype
