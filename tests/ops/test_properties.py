@@ -101,7 +101,7 @@ def _draw(r: Recipe, gen, skip=()) -> dict[str, torch.Tensor]:
     for name, shape in shapes.items():
         x = randn(gen, shape, getattr(r, _EXP.get(name, "w_exp")), dt)
         if name == "k":
-            n_pos = sum(dim in ("T", "H", "W") for dim in sig.args["k"].split())  # or an image's
+            n_pos = sum(dim in ("T", "H", "W") for dim in sig.args["k"].split())  # T, or H and W
             x = pattern_keys(x.flatten(1, n_pos), r.keys, dt).reshape(shape)
         out[name] = x.abs() if name == "decay" else x
     return out
