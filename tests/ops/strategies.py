@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
+from aftlab.ops.signatures import SIGNATURES
 from aftlab.testing import default_tolerance
 
 F64 = torch.float64
@@ -45,7 +46,7 @@ class Recipe:
     """Everything a property test builds its tensors from (exponents are log10 magnitudes)."""
 
     op: str
-    shape: tuple[int, ...]  # (B, T, d); aft_conv (B, T, h, c); aft_conv2d (B, H, W, h, c)
+    shape: tuple[int, ...]  # the op's leading shape, SIGNATURES[op].dims: (B, T, d), ...
     dtype: str
     causal: bool
     seed: int
@@ -92,13 +93,9 @@ def recipes(
     only if ``empty_length``).
     """
     max_b, max_t, max_d, max_side, max_c = (2, 12, 4, 3, 2) if small else (3, 40, 9, 6, 3)
-    if op == "aft_conv2d":
-        names, highs = "BHWhc", (max_b, max_side, max_side, 3, max_c)
-    elif op == "aft_conv":
-        names, highs = "BThc", (max_b, max_t, 3, max_c)
-    else:
-        names, highs = "BTd", (max_b, max_t, max_d)
-    shape = [draw(st.integers(1, hi)) for hi in highs]
+    high = {"B": max_b, "T": max_t, "d": max_d, "H": max_side, "W": max_side, "h": 3, "c": max_c}
+    names = SIGNATURES[op].dims
+    shape = [draw(st.integers(1, high[n])) for n in names]
     zero = draw(st.sampled_from([None] * 6 + [n for n in names if empty_length or n not in "THW"]))
     if zero is not None:
         shape[names.index(zero)] = 0

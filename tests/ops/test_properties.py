@@ -40,6 +40,7 @@ from aftlab.ops.aft_full import aft_full_reference
 from aftlab.ops.aft_local import aft_local_reference
 from aftlab.ops.aft_simple import aft_simple_reference
 from aftlab.ops.scan import stable_prefix_average_reference
+from aftlab.ops.signatures import SIGNATURES
 from aftlab.testing import assert_close
 
 from .strategies import (
@@ -84,13 +85,32 @@ def _generator(r: Recipe) -> torch.Generator:
     return torch.Generator().manual_seed(r.seed)
 
 
-def _sequence(r: Recipe, gen, kshape=None):
-    """Float64 ``q, v`` of the recipe's shape and ``k`` of ``kshape``, patterned on dim 1."""
-    dt = r.torch_dtype
-    q = randn(gen, r.shape, r.q_exp, dt)
-    k = pattern_keys(randn(gen, kshape or r.shape, r.k_exp, dt), r.keys, dt)
-    v = randn(gen, r.shape, r.v_exp, dt)
-    return q, k, v
+_EXP = {"q": "q_exp", "k": "k_exp", "v": "v_exp", "decay": "lam_exp"}  # others: w_exp
+
+
+def _draw(r: Recipe, gen, skip=()) -> dict[str, torch.Tensor]:
+    """Float64 arguments of ``r.op`` (shapes from its signature), in order, ``randn * 10**exp``:
+    ``k`` patterned along the positions (an image's in raster order), ``decay = |randn|``. An
+    op without ``q`` (the scan) draws one all the same: its ``k, v`` are the others'."""
+    sig, dt = SIGNATURES[r.op], r.torch_dtype
+    sizes = dict(zip(sig.dims, r.shape, strict=True), ck=r.ck, s=r.s, Tw=r.shape[1] + r.w_extra)
+    shapes = sig.shapes(sizes, skip)
+    if "q" not in shapes:
+        randn(gen, shapes["k"], r.q_exp, dt)
+    out = {}
+    for name, shape in shapes.items():
+        x = randn(gen, shape, getattr(r, _EXP.get(name, "w_exp")), dt)
+        if name == "k":
+            n_pos = sum(dim in ("T", "H", "W") for dim in sig.args["k"].split())  # T, or H and W
+            x = pattern_keys(x.flatten(1, n_pos), r.keys, dt).reshape(shape)
+        out[name] = x.abs() if name == "decay" else x
+    return out
+
+
+def _case(r: Recipe, op, ref, tensors, options, spread, **kw) -> Case:
+    """``r.op``'s case: ``tensors`` cast to the recipe's dtype, positions from its signature."""
+    fitted = {n: fit(x, r.torch_dtype) for n, x in tensors.items()}
+    return Case(op, ref, fitted, options, SIGNATURES[r.op].positions(), spread, **kw)
 
 
 def _flat(x: torch.Tensor, n_lead: int) -> torch.Tensor:
@@ -103,25 +123,15 @@ def _bias(w: torch.Tensor) -> float:
 
 
 def _full_like(r: Recipe, op, ref, extra: dict):
-    """aft_full / aft_local: ``q, k, v (B, T, d)``, ``w (T + w_extra, T + w_extra)``."""
-    gen, dt = _generator(r), r.torch_dtype
-    B, T, d = r.shape
-    q, k, v = _sequence(r, gen)
-    w = randn(gen, (T + r.w_extra,) * 2, r.w_exp, dt)
+    """aft_full / aft_local: ``w`` is ``(T + w_extra, T + w_extra)``."""
+    gen, T = _generator(r), r.shape[1]
+    tensors = _draw(r, gen)
     mask = make_mask(gen, r.mask, T)
-    tensors = {"q": q, "k": k, "v": v, "w": w}
 
     def spread(t):
         return Spread(t["q"].sigmoid(), t["k"], t["v"], mask, r.causal, _bias(t["w"][:T, :T]))
 
-    return Case(
-        op,
-        ref,
-        {n: fit(x, dt) for n, x in tensors.items()},
-        {"causal": r.causal, "padding_mask": mask, **extra},
-        {"q": (1,), "k": (1,), "v": (1,), "w": (0, 1)},
-        spread,
-    )
+    return _case(r, op, ref, tensors, {"causal": r.causal, "padding_mask": mask, **extra}, spread)
 
 
 def build_full(r: Recipe) -> Case:
@@ -133,48 +143,34 @@ def build_local(r: Recipe) -> Case:
 
 
 def build_simple(r: Recipe) -> Case:
-    gen, dt = _generator(r), r.torch_dtype
-    q, k, v = _sequence(r, gen)
+    gen = _generator(r)
+    tensors = _draw(r, gen)
     mask = make_mask(gen, r.mask, r.shape[1])
-    return Case(
+    return _case(
+        r,
         aft_simple,
         aft_simple_reference,
-        {"q": fit(q, dt), "k": fit(k, dt), "v": fit(v, dt)},
+        tensors,
         {"causal": r.causal, "padding_mask": mask},
-        {"q": (1,), "k": (1,), "v": (1,)},
         lambda t: Spread(t["q"].sigmoid(), t["k"], t["v"], mask, r.causal),
     )
 
 
 def build_decay(r: Recipe) -> Case:
-    gen, dt = _generator(r), r.torch_dtype
-    B, T, d = r.shape
-    q, k, v = _sequence(r, gen)
-    decay = randn(gen, (d,), r.lam_exp, dt).abs()
-    bonus = randn(gen, (d,), r.w_exp, dt)
+    gen, T = _generator(r), r.shape[1]
+    tensors = _draw(r, gen)
     mask = make_mask(gen, r.mask, T)
-    tensors = {"q": q, "k": k, "v": v, "decay": decay, "bonus": bonus}
 
     def spread(t):  # scores -(t - 1 - t') lambda + K_t' and u + K_t
         bias = T * t["decay"] + t["bonus"].abs()
         return Spread(t["q"].sigmoid(), t["k"], t["v"], mask, True, bias)
 
-    return Case(
-        aft_decay,
-        aft_decay_reference,
-        {n: fit(x, dt) for n, x in tensors.items()},
-        {"padding_mask": mask},
-        {"q": (1,), "k": (1,), "v": (1,)},
-        spread,
-    )
+    return _case(r, aft_decay, aft_decay_reference, tensors, {"padding_mask": mask}, spread)
 
 
 def build_conv(r: Recipe) -> Case:
-    """aft_conv: ``q, v (B, T, h, c)``, ``k (B, T, h, ck)``, ``w (h, s)``."""
-    gen, dt = _generator(r), r.torch_dtype
-    B, T, h, c = r.shape
-    q, k, v = _sequence(r, gen, (B, T, h, r.ck))
-    w = randn(gen, (h, r.s), r.w_exp, dt)
+    gen, (B, T, h, c) = _generator(r), r.shape
+    tensors = _draw(r, gen)
     mask = make_mask(gen, r.mask, T)
 
     def spread(t):
@@ -184,25 +180,13 @@ def build_conv(r: Recipe) -> Case:
             _bias(t["w"]), log_dtype=F64,  # scores and log-sums are carried in float64
         )
 
-    return Case(
-        aft_conv,
-        aft_conv_reference,
-        {"q": fit(q, dt), "k": fit(k, dt), "v": fit(v, dt), "w": fit(w, dt)},
-        {"causal": r.causal, "padding_mask": mask},
-        {"q": (1,), "k": (1,), "v": (1,)},
-        spread,
-    )
+    options = {"causal": r.causal, "padding_mask": mask}
+    return _case(r, aft_conv, aft_conv_reference, tensors, options, spread)
 
 
 def build_conv2d(r: Recipe) -> Case:
-    """aft_conv2d: ``q, v (B, H, W, h, c)``, ``k (B, H, W, h, ck)``, ``w (h, s, s)``."""
-    gen, dt = _generator(r), r.torch_dtype
-    B, H, W, h, c = r.shape
-    q = randn(gen, r.shape, r.q_exp, dt)
-    k = randn(gen, (B, H * W, h, r.ck), r.k_exp, dt)  # keys patterned in raster order
-    k = pattern_keys(k, r.keys, dt).reshape(B, H, W, h, r.ck)
-    v = randn(gen, r.shape, r.v_exp, dt)
-    w = randn(gen, (h, r.s, r.s), r.w_exp, dt)
+    gen, (B, H, W, h, c) = _generator(r), r.shape
+    tensors = _draw(r, gen)
     flat_mask = make_mask(gen, r.mask, H * W)
     mask = None if flat_mask is None else flat_mask.reshape(B, H, W)
 
@@ -213,36 +197,25 @@ def build_conv2d(r: Recipe) -> Case:
             _bias(t["w"]), log_dtype=F64,
         )
 
-    return Case(
-        aft_conv2d,
-        aft_conv2d_reference,
-        {"q": fit(q, dt), "k": fit(k, dt), "v": fit(v, dt), "w": fit(w, dt)},
-        {"padding_mask": mask},
-        {},
-        spread,
-    )
+    return _case(r, aft_conv2d, aft_conv2d_reference, tensors, {"padding_mask": mask}, spread)
 
 
 def build_scan(r: Recipe) -> Case:
-    """stable_prefix_average: ``k, v (B, T, d)``, optional ``decay (d,)``; returns ``(L, A)``."""
-    gen, dt = _generator(r), r.torch_dtype
-    B, T, d = r.shape
-    _, k, v = _sequence(r, gen)
-    tensors = {"k": k, "v": v}
-    if r.decay:
-        tensors["decay"] = randn(gen, (d,), r.lam_exp, dt).abs()
+    """stable_prefix_average, with ``decay`` if the recipe says so; returns ``(L, A)``."""
+    gen, T = _generator(r), r.shape[1]
+    tensors = _draw(r, gen, skip=() if r.decay else ("decay",))
     mask = make_mask(gen, r.mask, T)
 
     def spread(t):
         bias = T * t["decay"] if r.decay else 0.0
         return Spread(None, t["k"], t["v"], mask, True, bias, reverse=r.reverse, ref_steps=T)
 
-    return Case(
+    return _case(
+        r,
         stable_prefix_average,
         stable_prefix_average_reference,
-        {n: fit(x, dt) for n, x in tensors.items()},
+        tensors,
         {"reverse": r.reverse, "padding_mask": mask},
-        {"k": (1,), "v": (1,)},
         spread,
         reverse=r.reverse,
     )

@@ -20,6 +20,7 @@ from ..ops.aft_decay import aft_decay_reference
 from ..ops.aft_full import aft_full_reference
 from ..ops.aft_local import aft_local_band, aft_local_reference
 from ..ops.aft_simple import aft_simple_reference
+from ..ops.signatures import SIGNATURES
 
 MODES = ("forward", "train", "decode")
 WINDOW, KERNEL = 32, 31  # aft-local's window, aft-conv's kernel size
@@ -56,7 +57,8 @@ class Op:
 
     Attributes:
         inputs: ``(shape, causal) -> {name: (size, scale)}``, the op's arguments in order:
-            ``randn(size) * scale``, or ``U(0, 0.5)`` for ``scale="U"``.
+            ``randn(size) * scale``, or ``U(0, 0.5)`` for ``scale="U"``; an aftlab op's from its
+            signature, by :func:`_inputs`.
         fast, reference: ``(*inputs, causal=) -> y``: the op under test; float64, from the
             formula.
         flops: a forward's FLOPs.
@@ -121,8 +123,12 @@ def _quadratic(s: Shape, causal: bool) -> float:
     return 4.0 * s.B * s.T * s.T * s.d * (0.5 if causal else 1.0)
 
 
-def _qkv(s: Shape, **extra) -> dict[str, tuple]:
-    return {n: ((s.B, s.T, s.d), 1.0) for n in "qkv"} | extra
+def _inputs(op: str, scales: dict, s: Shape, causal: bool) -> dict[str, tuple]:
+    """``Op.inputs`` of ``op`` in :data:`~aftlab.ops.signatures.SIGNATURES` as
+    ``partial(_inputs, op, scales)``: one key per head, kernels of size ``KERNEL``, ``w (T, T)``,
+    aft-local's band; the scale of each name in ``scales``, else 1."""
+    sizes = dict(B=s.B, T=s.T, d=s.d, h=s.h, c=s.c, ck=1, s=KERNEL, Tw=s.T, Wb=_band(s, causal))
+    return {n: (x, scales.get(n, 1.0)) for n, x in SIGNATURES[op].shapes(sizes).items()}
 
 
 def _naive_attention(q, k, v, *, causal: bool) -> torch.Tensor:
@@ -163,7 +169,7 @@ ATTENTION = Op(  # q, k, v (B, h, T, c): the layout scaled_dot_product_attention
     lambda s, causal: (4 * s.n, 12 * s.n),
 )
 SIMPLE = Op(
-    lambda s, causal: _qkv(s),
+    partial(_inputs, "aft_simple", {}),
     aft_simple,
     aft_simple_reference,
     lambda s, causal: 10.0 * s.n,  # exp, products, sums, sigmoid: a handful per element
@@ -180,7 +186,7 @@ OPS: dict[str, Op] = {
         mem=lambda s, causal: (2 * s.B * s.h * s.T**2 + 6 * s.n, 5 * s.B * s.h * s.T**2 + 6 * s.n),
     ),
     "aft-full": Op(
-        lambda s, causal: _qkv(s, w=((s.T, s.T), 0.5)),
+        partial(_inputs, "aft_full", {"w": 0.5}),
         aft_full,
         aft_full_reference,
         _quadratic,
@@ -188,8 +194,8 @@ OPS: dict[str, Op] = {
         lambda s, causal: (3 * s.T**2 + 6 * s.n, 6 * s.T**2 + 16 * s.n),
         io=lambda s, causal: (3 * s.n + s.T * s.T * (0.5 if causal else 1.0), s.n),
     ),
-    "aft-local": Op(  # the band form the mixer uses: w_band (T, W), no T x T
-        lambda s, causal: _qkv(s, w_band=((s.T, _band(s, causal)), 0.5)),
+    "aft-local": Op(  # the band form the mixer uses, no T x T
+        partial(_inputs, "aft_local_band", {"w_band": 0.5}),
         partial(aft_local_band, window=WINDOW),
         _local_reference,
         lambda s, causal: s.n * (4.0 * _band(s, causal) + 10.0),  # global sums + band
@@ -198,23 +204,18 @@ OPS: dict[str, Op] = {
         options={"window": WINDOW},
     ),
     "aft-simple": SIMPLE,
-    "aft-conv": replace(  # q, v (B, T, h, c), one key per head k (B, T, h, 1), kernels w (h, s)
+    "aft-conv": replace(  # one key per head, kernels of size KERNEL
         SIMPLE,
-        inputs=lambda s, causal: {
-            "q": ((s.B, s.T, s.h, s.c), 1.0),
-            "k": ((s.B, s.T, s.h, 1), 1.0),
-            "v": ((s.B, s.T, s.h, s.c), 1.0),
-            "w": ((s.h, KERNEL), 0.5),
-        },
+        inputs=partial(_inputs, "aft_conv", {"w": 0.5}),
         fast=aft_conv,
         reference=aft_conv_reference,
         flops=lambda s, causal: 2.0 * KERNEL * s.B * s.T * (s.d + s.h) + 10.0 * s.n,
         step=lambda s: (2.0 * KERNEL * s.B * (s.d + s.h), 2.0 * s.B * KERNEL * (s.d + s.h)),
         options={"kernel_size": KERNEL},
     ),
-    "aft-decay": replace(  # decays U(0, 0.5) and bonus, (d,)
+    "aft-decay": replace(  # decays U(0, 0.5)
         SIMPLE,
-        inputs=lambda s, causal: _qkv(s, decay=((s.d,), "U"), bonus=((s.d,), 0.5)),
+        inputs=partial(_inputs, "aft_decay", {"decay": "U", "bonus": 0.5}),
         fast=lambda *x, causal: aft_decay(*x),
         reference=lambda *x, causal: aft_decay_reference(*x),
         causal_only=True,
