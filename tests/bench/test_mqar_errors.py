@@ -66,13 +66,10 @@ def test_on_a_trained_run_the_all_row_is_the_test_accuracy_aftlab_eval_reports(
 
 
 def test_a_run_of_another_task_is_refused(tmp_path, benchmark_script):
-    from aftlab.cli import main
     from aftlab.errors import UsageError
 
-    from ..train.helpers import TINY, write_text
+    from ..train.helpers import train_tiny
 
-    out = tmp_path / "run"
-    data = write_text(tmp_path / "data.txt")
-    assert main(["train", "--data", str(data), "--out", str(out), "--steps", "1", *TINY]) == 0
+    out = train_tiny(tmp_path, 1)
     with pytest.raises(UsageError, match="not 'recall'"):
         benchmark_script("mqar_errors").predictions(str(out))

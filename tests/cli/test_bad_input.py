@@ -14,7 +14,7 @@ import pytest
 
 from aftlab.cli import main
 
-from ..train.helpers import ENV, TINY, write_text
+from ..train.helpers import ENV, TINY, train_tiny
 
 
 def _one_line(text: str, arg: str, message: str) -> str:
@@ -54,10 +54,7 @@ def _snapshot(root) -> dict[str, bytes]:
 def trained(tmp_path_factory):
     """A tiny finished run and its data file."""
     root = tmp_path_factory.mktemp("bad_input")
-    data = write_text(root / "data.txt")
-    out = root / "run"
-    assert main(["train", "--data", str(data), "--out", str(out), "--steps", "2", *TINY]) == 0
-    return out, data
+    return train_tiny(root, 2), root / "data.txt"
 
 
 # --------------------------------------------------------------------------- --data

@@ -8,7 +8,7 @@ import pytest
 
 from aftlab.cli import main
 
-from ..train.helpers import TINY, run_aftlab, write_text
+from ..train.helpers import TINY, run_aftlab, train_tiny
 
 SUBCOMMANDS = ["train", "eval", "sample", "compare", "plot", "bench", "kernels", "export"]
 
@@ -52,11 +52,7 @@ def test_python_dash_m_aftlab_runs_the_same_cli(tmp_path):
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
     """One tiny finished run, shared by the eval/sample/error tests of this module."""
-    root = tmp_path_factory.mktemp("cli")
-    data = write_text(root / "data.txt")
-    out = root / "run"
-    assert main(["train", "--data", str(data), "--out", str(out), "--steps", "3", *TINY]) == 0
-    return out
+    return train_tiny(tmp_path_factory.mktemp("cli"), 3)
 
 
 def test_train_prints_metric_and_sample_then_eval_and_sample(trained_run, capsys):

@@ -26,7 +26,7 @@ from aftlab.models import (
 from aftlab.models.memory import check_memory, estimate_memory, parameter_count
 from aftlab.models.transformer import TransformerBackbone
 
-from ..train.helpers import TINY, write_text
+from ..train.helpers import TINY, train_tiny, write_text
 
 HUGE = 10**8  # blocks: hundreds of TB of parameters on any machine
 SMALL = dict(vocab_size=11, d_model=16, n_heads=4, n_layers=2, max_seq_len=9)
@@ -208,11 +208,7 @@ def test_train_refuses_what_cannot_fit(setting, expected, tmp_path, capsys, noth
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    root = tmp_path_factory.mktemp("memory")
-    data = write_text(root / "data.txt")
-    run = root / "run"
-    assert main(["train", "--data", str(data), "--out", str(run), "--steps", "1", *TINY]) == 0
-    return run
+    return train_tiny(tmp_path_factory.mktemp("memory"), 1)
 
 
 def _with_layers(run, dest, n_layers: int):

@@ -68,6 +68,17 @@ def write_text(path: Path, n_bytes: int = 12_000) -> Path:
     return path
 
 
+def train_tiny(root: Path, steps: int) -> Path:
+    """Train a :data:`TINY` run of ``steps`` steps on ``root/data.txt`` (written here) into
+    ``root/run`` with the real command line, in this process; return the run folder."""
+    from aftlab.cli import main
+
+    data, out = write_text(root / "data.txt"), root / "run"
+    args = ["train", "--data", str(data), "--out", str(out), "--steps", str(steps), *TINY]
+    assert main(args) == 0
+    return out
+
+
 #: Environment of the subprocesses: one thread each, so that runs are bitwise reproducible.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 

@@ -15,7 +15,7 @@ from aftlab.cli import main
 from aftlab.train.checkpoint import RunLock, atomic_write_text, list_checkpoints
 from aftlab.train.trainer import Trainer
 
-from .helpers import TINY, write_text
+from .helpers import TINY, train_tiny, write_text
 from .test_run_safety import _error_lines, _snapshot
 
 VICTIM = b"a file of the user's, outside the run folder\n"
@@ -24,11 +24,7 @@ VICTIM = b"a file of the user's, outside the run folder\n"
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
     """A finished tiny run of 2 steps (copied by :func:`run` for each test)."""
-    root = tmp_path_factory.mktemp("finished")
-    data = write_text(root / "data.txt")
-    out = root / "run"
-    assert main(["train", "--data", str(data), "--out", str(out), "--steps", "2", *TINY]) == 0
-    return out
+    return train_tiny(tmp_path_factory.mktemp("finished"), 2)
 
 
 @pytest.fixture
