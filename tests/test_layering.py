@@ -23,6 +23,9 @@ FORBIDDEN = {
     "mixers": ("models", "train", "bench", "cli", "hf"),
     "models": ("train", "bench", "cli", "hf"),
     "bench": ("train", "cli", "hf"),
+    "functional": ("mixers", "models", "train", "bench", "cli", "hf"),
+    "data": ("mixers", "models", "train", "bench", "cli", "hf"),
+    "train": ("cli", "hf", "bench"),
 }
 
 

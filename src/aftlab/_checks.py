@@ -233,19 +233,18 @@ def check_qkv(where: str, q: object, k: object, v: object, padding_mask: object 
 
 
 def check_state_dtypes(
-    where: str, dtypes: Mapping[str, torch.dtype], module: torch.nn.Module
+    where: str, dtypes: Mapping[str, torch.dtype], own: Mapping[str, torch.Tensor]
 ) -> None:
-    """Refuse weights that ``module.load_state_dict`` would cast into something else.
+    """Refuse weights that ``load_state_dict`` would cast into something else.
 
     A floating-point tensor of any precision loads into a floating-point one (cast to the
     module's dtype); any other tensor must have the module's dtype, so integer, bool and
-    complex weights are refused. ``dtypes`` maps state-dict names to the dtypes to load; names
-    the module lacks are left to ``load_state_dict``.
+    complex weights are refused. ``dtypes`` maps state-dict names to the dtypes to load, ``own``
+    is the module's ``state_dict()``; names the module lacks are left to ``load_state_dict``.
 
     Raises:
         DTypeError: naming the tensor, its dtype and the dtype expected.
     """
-    own = module.state_dict()
     for name, dtype in dtypes.items():
         want = own[name].dtype if name in own else dtype
         if dtype == want or (dtype.is_floating_point and want.is_floating_point):

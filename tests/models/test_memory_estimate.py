@@ -7,7 +7,6 @@ import hashlib
 import json
 import re
 import shutil
-import time
 
 import pytest
 import torch
@@ -137,10 +136,8 @@ def test_a_model_too_large_for_the_machine_is_refused_before_it_is_built(
     build, field, nothing_built
 ):
     cfg = TransformerConfig(**{**SMALL, "n_heads": 1, field: HUGE})
-    start = time.perf_counter()
     with pytest.raises(ValueError, match="needs at least [0-9,.]+ GiB, more than the") as e:
-        build(cfg)
-    assert time.perf_counter() - start < 1.0
+        build(cfg)  # before anything is built: nothing_built fails the test otherwise
     message = str(e.value)
     assert (
         "\n" not in message and f"parameters in torch.float32, {cfg.n_layers:,} blocks" in message
@@ -191,7 +188,7 @@ def _one_line(err: str, *patterns: str) -> str:
     "setting, expected",
     [
         (f"model.n_layers={HUGE}", "needs at least"),
-        ("batch_size=10000000", "micro-batches of 10000000 x 16 tokens"),
+        ("batch_size=1000000000000", "micro-batches of 1000000000000 x 16 tokens"),
         ("model.d_model=10000000000000000000000", "'d_model' must be a positive int below 2**63"),
     ],
 )
@@ -259,7 +256,5 @@ def test_hf_from_pretrained_refuses_a_config_too_large_at_once(tmp_path, monkeyp
         lambda: AutoModelForCausalLM.from_pretrained(tmp_path),
         lambda: hf.AftlabForCausalLM(hf.AftlabConfig(n_layers=HUGE)),
     ):
-        start = time.perf_counter()
         with pytest.raises(ValueError, match=f"TransformerLM: the model .*{HUGE:,} blocks"):
-            load()
-        assert time.perf_counter() - start < 5.0
+            load()  # at once: _forbid_building fails the test if a block is built

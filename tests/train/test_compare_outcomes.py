@@ -228,5 +228,5 @@ def test_train_exit_status_and_outcome_record(tmp_path, capsys, monkeypatch):
 def test_outcome_of_a_child(status, record, expected):
     assert outcome_of(status, record) == expected
     if status == -signal.SIGTERM:
-        outcome, cause = outcome_of(-signal.SIGKILL, None)
-        assert outcome == "interrupted" and "out of memory" in cause
+        outcome, cause = outcome_of(-signal.SIGKILL, None)  # the out-of-memory killer's
+        assert outcome == "crashed" and "out of memory" in cause

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from .._system import proc_field
 from ..errors import UsageError
 from ..models.transformer import TransformerLM
 from ..train.run import load_run
@@ -16,6 +17,16 @@ from .configuration import AftlabConfig
 from .modeling import AftlabForCausalLM
 
 __all__ = ["export_run"]
+
+
+def _umask() -> int:
+    """The process's umask: read from ``/proc`` where it can be (setting it to read it, the
+    only portable way, leaves a moment in which another thread creates files without one)."""
+    if shown := proc_field("self/status", "Umask"):
+        return int(shown, 8)
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
 
 
 def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
@@ -60,9 +71,7 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=parent))
     try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # as mkdir makes a folder (mkdtemp's is 0700)
+        os.chmod(tmp, 0o777 & ~_umask())  # as mkdir makes a folder (mkdtemp's is 0700)
         model.save_pretrained(tmp)
         if out.exists():
             out.rmdir()  # empty, checked above

@@ -121,12 +121,13 @@ class AftlabForCausalLM(PreTrainedModel, GenerationMixin):
         name, local = pretrained_model_name_or_path, []
         if isinstance(name, (str, PathLike)) and Path(name).is_dir():  # a hub model: not read
             local = sorted(Path(name, kwargs.get("subfolder") or "").glob("*.safetensors"))
+        own = model.state_dict()
         for path in local:
             with safe_open(str(path), framework="pt") as f:
                 slices = {k: f.get_slice(k) for k in f.keys()}
                 # an empty slice gives the dtype without reading the data (0-d: one element)
                 dtypes = {k: (s[:0] if s.get_shape() else s[...]).dtype for k, s in slices.items()}
-            check_state_dtypes(f"{where}: {path.name}", dtypes, model)
+            check_state_dtypes(f"{where}: {path.name}", dtypes, own)
         return model
 
     # ------------------------------------------------------------------ embeddings

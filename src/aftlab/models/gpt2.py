@@ -190,6 +190,6 @@ def load_gpt2_state_dict(
         raise ValueError(
             f"{where}: config.tie_embeddings=True but lm_head.weight differs from wte.weight"
         )
-    check_state_dtypes(where, {k: v.dtype for k, v in converted.items()}, model)
+    check_state_dtypes(where, {k: v.dtype for k, v in converted.items()}, own)
     model.load_state_dict(converted)
     return model

@@ -462,9 +462,8 @@ class TransformerLM(nn.Module):
         return generation.stream_generate(self, prompt, max_new_tokens, **sampling)
 
     # ------------------------------------------------------------------ GPT-2
-    @classmethod
+    @staticmethod
     def from_gpt2_state_dict(
-        cls,
         state_dict: Mapping[str, torch.Tensor],
         *,
         config: TransformerConfig | None = None,
@@ -473,9 +472,10 @@ class TransformerLM(nn.Module):
     ) -> TransformerLM:
         """Build a model from a Hugging Face ``GPT2LMHeadModel`` (or ``GPT2Model``) state dict.
 
-        :func:`~aftlab.models.gpt2.load_gpt2_state_dict` (which imports this module): the
-        config is inferred from the shapes unless given; the number of heads is not in the
-        shapes, so pass ``n_heads`` (``GPT2Config.n_head``) or a ``config``.
+        :func:`~aftlab.models.gpt2.load_gpt2_state_dict` (which imports this module; it builds
+        a :class:`TransformerLM`, called on a subclass too): the config is inferred from the
+        shapes unless given; the number of heads is not in the shapes, so pass ``n_heads``
+        (``GPT2Config.n_head``) or a ``config``.
 
         Example:
             >>> from transformers import GPT2Config, GPT2LMHeadModel  # doctest: +SKIP
@@ -593,7 +593,9 @@ class PixelTransformer(nn.Module):
         else:
             init_weights(self.head, config)
 
-    def _flatten(self, pixels: torch.Tensor) -> torch.Tensor:
+    def _flatten(self, pixels: torch.Tensor, *, in_forward: bool = True) -> torch.Tensor:
+        """``pixels`` checked (ids read on every device unless ``in_forward``: ``check_tokens``)
+        and flattened to ``(B, T)``."""
         where = type(self).__name__
         is_image = len(self.image_shape) > 1 and isinstance(pixels, torch.Tensor)
         if is_image and pixels.dim() == 1 + len(self.image_shape):
@@ -604,7 +606,7 @@ class PixelTransformer(nn.Module):
                 )
             pixels = pixels.flatten(1)
         V = self.config.vocab_size
-        check_tokens(where, "pixels", pixels, ndim=2, vocab_size=V, in_forward=True)
+        check_tokens(where, "pixels", pixels, ndim=2, vocab_size=V, in_forward=in_forward)
         if pixels.shape[1] > self.num_pixels:
             raise ValueError(
                 f"{where}: 'pixels' must have at most N = {self.num_pixels} positions, "
@@ -653,7 +655,7 @@ class PixelTransformer(nn.Module):
         ``pixels[:, -1]`` and returns the logits of pixel ``T``.
         """
         check_positive_int(type(self).__name__, "logits_to_keep", logits_to_keep, allow_zero=True)
-        return self._prefill(self._flatten(pixels), logits_to_keep)
+        return self._prefill(self._flatten(pixels, in_forward=False), logits_to_keep)
 
     def _prefill(
         self, pixels: torch.Tensor, logits_to_keep: int

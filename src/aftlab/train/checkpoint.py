@@ -473,9 +473,10 @@ def load_checkpoint(
             f"checkpoint {str(path)!r} has an unreadable {MODEL_FILE} ({reason(e)}); delete this "
             "checkpoint folder to fall back to the previous one"
         ) from None
+    own = model.state_dict()
     try:
         dtypes = {k: v.dtype for k, v in weights.items()}
-        check_state_dtypes(f"checkpoint {str(path)!r}: {MODEL_FILE}", dtypes, model)
+        check_state_dtypes(f"checkpoint {str(path)!r}: {MODEL_FILE}", dtypes, own)
         missing, unexpected = model.load_state_dict(weights, strict=False)
     except DTypeError as e:
         raise UsageError(str(e)) from None
@@ -485,7 +486,6 @@ def load_checkpoint(
             f"({reason(e)}); use the config the run was trained with"
         ) from None
     # a tied weight (the head sharing the embedding) is stored once, under one of its names
-    own = model.state_dict()
     loaded = {own[k].data_ptr() for k in weights if k in own and own[k].numel()}
     missing = [k for k in missing if own[k].data_ptr() not in loaded]
     if missing or unexpected:

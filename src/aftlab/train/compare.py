@@ -515,7 +515,8 @@ def _train_and_select(plan: _Plan, spec: MixerSpec) -> tuple[dict[str, Any], Pat
         lr: (None if r is None else spread([run.val for run in r])["mean"])
         for lr, r in runs.items()
     }
-    scored = [lr for lr in plan.lrs if val_by_lr[lr] is not None]
+    # a rate whose seeds diverged, or whose validation metric is not finite, is not chosen
+    scored = [lr for lr in plan.lrs if val_by_lr[lr] is not None and math.isfinite(val_by_lr[lr])]
     if not scored:
         raise UsageError(
             f"{spec.label} diverged at every learning rate {plan.lrs}; try lower --lrs "
@@ -669,7 +670,8 @@ def run_compare(
     model with the best test metric (its run folder, metric and value). An existing ``out_dir`` is
     continued: finished runs are read back, interrupted ones resumed. A run that diverges
     (``aftlab train`` exit status 3) removes its rate from the choice and is recorded; any
-    other failure stops the comparison (:func:`_train_one`), recorded nowhere.
+    other failure stops the comparison (:func:`_train_one`: the child's ``RUN.outcome.json``
+    says why) and is never cached: a rerun retries it.
 
     Returns:
         The Markdown table.

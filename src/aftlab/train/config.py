@@ -511,6 +511,8 @@ def load_config(
         try:
             text = p.read_text(encoding="utf-8")
             data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
+        except OSError as e:  # not a syntax error: permissions, I/O
+            raise UsageError(f"cannot read config file {str(p)!r}: {reason(e)}") from None
         except READ_ERRORS as e:
             raise UsageError(
                 f"config file {str(p)!r} is not valid {'JSON' if p.suffix == '.json' else 'TOML'}: "

@@ -58,7 +58,7 @@ _BY_STATUS = {s: o for o, s in EXIT_STATUS.items() if o != "disk_full"}
 _NO_SPACE = {errno.ENOSPC: os.strerror(errno.ENOSPC), errno.EDQUOT: os.strerror(errno.EDQUOT)}
 _NO_MEMORY = ("out of memory", "can't allocate memory", "not enough memory")
 #: Signals that stop a run from outside; any other (SIGSEGV, SIGBUS, SIGABRT) is a crash.
-_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGKILL}
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT}
 
 
 def _chain(e: BaseException | None):
@@ -159,7 +159,8 @@ def outcome_of(status: int, record: dict[str, Any] | None) -> tuple[str, str | N
     """``(outcome, cause)`` of a child ``aftlab train`` from its exit status and record.
 
     The record counts only where it agrees with the status (it may be stale or missing); a
-    negative status (killed by a signal) is an interruption, or a crash for a fatal signal.
+    negative status (killed by a signal) is an interruption for the signals a user stops a
+    run with, else a crash (SIGKILL included: the kernel's out-of-memory killer sends it).
     """
     if record is not None and record.get("exit_status") == status:
         return record["outcome"], record.get("error")
@@ -170,6 +171,6 @@ def outcome_of(status: int, record: dict[str, Any] | None) -> tuple[str, str | N
             return "crashed", f"killed by signal {-status}"
         cause = f"killed by {sig.name}"
         if sig == signal.SIGKILL:
-            cause += " (by another process, or by the kernel when out of memory)"
+            cause += " (by the kernel when out of memory, or by another process)"
         return ("interrupted" if sig in _STOP_SIGNALS else "crashed"), cause
     return _BY_STATUS.get(status, "crashed"), f"exit status {status}"
