@@ -102,3 +102,39 @@ def test_the_model_checks_a_cache_of_another_model():
         lm.step(tokens, _lm(mixer="attention").init_cache(2))
     with pytest.raises(ValueError, match=f"TransformerLM: {NOT_FLOAT}"):
         lm.init_cache(2, dtype=torch.int64)
+
+
+def test_states_the_check_cannot_describe_pass_it():
+    """A plugin state with a field filled on a later step, or an ``_init_state`` that cannot run
+    on the meta device, is not refused by the check (its own step is the judge)."""
+    from dataclasses import dataclass, field
+
+    from aftlab.mixers import SequenceMixer
+
+    @dataclass
+    class Lazy:
+        n: torch.Tensor
+        h: torch.Tensor | None = field(default=None)
+
+    class LazyMixer(SequenceMixer):
+        def _init_state(self, batch_size, device, dtype):
+            return Lazy(torch.zeros(batch_size, device=device, dtype=dtype))
+
+        def _step(self, x, state):
+            state.h = x if state.h is None else state.h + x
+            return state.h, state
+
+    class DataReading(LazyMixer):
+        def _init_state(self, batch_size, device, dtype):
+            scale = torch.ones((), device=device).item()  # fails on the meta device
+            return Lazy(scale * torch.zeros(batch_size, device=device, dtype=dtype))
+
+    for cls in (LazyMixer, DataReading):
+        m = cls(d_model=D, causal=True)
+        state = m.init_state(2)
+        for _ in range(3):
+            y, state = m.step(_x(), state)
+        assert y.shape == (2, D) and state.h is not None
+        if cls is LazyMixer:  # the described parts are still checked
+            with pytest.raises(TypeError, match="'state' must be a Lazy"):
+                m.step(_x(), object())

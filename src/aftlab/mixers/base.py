@@ -108,7 +108,12 @@ class _StatePart(NamedTuple):
 
 
 def _state_parts(value: object, path: str = "", grows: tuple[int, ...] = ()) -> list[_StatePart]:
-    """The parts of the empty state ``value``, parents first: itself, and a dataclass's fields."""
+    """The parts of the empty state ``value``, parents first: itself, and a dataclass's fields.
+
+    A field that is None in the empty state (filled on a later step) may hold anything.
+    """
+    if value is None and path:
+        return []
     get = operator.attrgetter(path[1:]) if path else None
     if isinstance(value, torch.Tensor):
         shape = tuple(None if i in grows else n for i, n in enumerate(value.shape))[1:]
@@ -313,8 +318,8 @@ class SequenceMixer(nn.Module):
         if parts is None:
             try:
                 empty = self._init_state(1, torch.device("meta"), torch.float32)
-            except NotImplementedError:  # no empty state to compare with: any state
-                empty = object()
+            except Exception:  # noqa: BLE001 - no empty state on the meta device (none, or a
+                empty = object()  # plugin's that reads data): any state passes this check
             parts = self.__dict__["_state_parts"] = _state_parts(empty)
         B, device = x.shape[0], x.device
         for part in parts:
