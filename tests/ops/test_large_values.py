@@ -80,3 +80,22 @@ def test_large_values_give_finite_outputs_2d(values):
     assert torch.isfinite(y).all()
     ref = aft_conv2d_reference(q, k[..., :1], v, w)
     assert_close("aft_conv2d", y, ref, atol=_ATOL * v.abs().max().item())
+
+
+def test_aft_full_decoding_stays_finite_for_large_values():
+    """``AFTFull.step`` shifts its weights by the headroom too: decoding values of 1e38 (equal
+    keys, so every weight is the same) gives finite outputs, as the forward does."""
+    from aftlab.mixers import build_mixer
+
+    torch.manual_seed(0)
+    m = build_mixer("aft-full", d_model=4, causal=True, max_seq_len=8).eval()
+    with torch.no_grad():
+        m.to_v.weight.zero_()
+        m.to_v.bias.fill_(1e38)
+        m.to_k.weight.zero_()
+        x = torch.randn(2, 6, 4)
+        state = m.init_state(2)
+        for t in range(6):
+            y, state = m.step(x[:, t], state)
+            assert torch.isfinite(y).all(), t
+        assert torch.isfinite(m(x)).all()

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..._checks import check_positive_int
-from ...ops._numerics import compute_dtype
+from ...ops._numerics import compute_dtype, headroom
 from ...ops.aft_full import _aft_full
 from ..registry import register_mixer
 from .common import AFTMixer
@@ -142,7 +142,8 @@ class AFTFull(AFTMixer):
         cd = state.k.dtype
         state.k[:, t], state.v[:, t] = k.to(cd), v.to(cd)
         s = state.k[:, : t + 1] + self.pos_bias.row(t, t + 1).to(cd)[None, :, None]
-        e = torch.exp(s - s.amax(1, keepdim=True))  # per-(t, c) max over t' <= t: each exp <= 1
+        # per-(t, c) max over t' <= t and the headroom of t + 1 terms: each weight <= 1 / (t + 2)
+        e = torch.exp(s - (s.amax(1, keepdim=True) + headroom(t + 1)))
         avg = (e * state.v[:, : t + 1]).sum(1) / e.sum(1)
         state.t = t + 1
         return self.output((torch.sigmoid(q.to(cd)) * avg).to(q.dtype)), state
