@@ -206,3 +206,10 @@ def test_export_bad_run_dir_is_one_line_exit_2(tmp_path, capsys, case):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("aftlab: error: ") and str(run) in err[0]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_bad_input_ids_are_named_as_the_caller_wrote_them(use_cache):
+    model = _model("aft-simple")
+    with pytest.raises(ValueError, match=r"AftlabForCausalLM: 'input_ids' ids must be in \[0,"):
+        model(torch.full((1, 3), V), use_cache=use_cache)

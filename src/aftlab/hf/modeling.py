@@ -203,6 +203,8 @@ class AftlabForCausalLM(PreTrainedModel, GenerationMixin):
         if use_cache is None:
             use_cache = bool(self.config.use_cache) and not padded
         lm = self.model
+        # named as the caller wrote it; the model's entries check again under their own names
+        check_tokens(where, "input_ids", input_ids, ndim=2, vocab_size=lm.config.vocab_size)
         if state is not None or use_cache:
             if padded:
                 raise ValueError(
@@ -218,9 +220,6 @@ class AftlabForCausalLM(PreTrainedModel, GenerationMixin):
                         f"{where}.forward: 'cache' must be the DecodingCache this model "
                         f"returned, got {type(state).__name__}"
                     )
-                check_tokens(
-                    where, "input_ids", input_ids, ndim=2, vocab_size=lm.config.vocab_size
-                )
                 logits = torch.stack([lm.step(t, state) for t in input_ids.unbind(1)], dim=1)
                 logits = logits[:, -logits_to_keep:] if logits_to_keep else logits
         else:
