@@ -1,7 +1,7 @@
 """Backward passes that are differentiable once, and say so when asked for a second derivative.
 
-aftlab's hand-written backward passes (the C++ kernels' and the PyTorch ops' custom
-``autograd.Function``) have no derivative of their own. PyTorch's
+aftlab's hand-written backward passes (the autograd of the C++ kernels and of the PyTorch ops'
+custom ops, :func:`register_autograd_once`) have no derivative of their own. PyTorch's
 :func:`torch.autograd.function.once_differentiable` raises on a second derivative only when the
 upstream gradient itself requires grad; when it does not (``grad(y.sum(), x,
 create_graph=True)``), the first gradient comes back as a constant, and a second derivative

@@ -4,8 +4,8 @@
 ``bool(tensor)``, a Python branch on data) is one: so this is the test that no forward or backward
 pass reads tensor values back to the host. The compiled model must also match eager. Both
 implementations of the AFT ops run: the C++ kernels (through their fake implementations,
-``aftlab/kernels/_ops.py``) and the PyTorch ops (what CUDA runs; AFT-full's and AFT-local's
-exact rescue, which picks rows by value, is the opaque custom op ``aftlab::lse_average``).
+``aftlab/kernels/{scan,band,full}.py``) and the PyTorch ops (what CUDA runs; their hand-written
+backwards are opaque custom ops, ``aftlab::lse_average``, ``stable_prefix_average``, ``aft_conv``).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def _supports(mixer: str, causal: bool) -> bool:
     return True
 
 
-_SLOW = ("aft-conv",)  # its PyTorch scans unroll into a large graph: 8-40 s to compile
+_SLOW = ("aft-conv",)  # its PyTorch op took 8-40 s to compile while it was unrolled (now ~3 s)
 
 
 def _case(mixer: str, causal: bool, impl: str):

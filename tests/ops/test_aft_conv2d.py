@@ -11,6 +11,8 @@ from aftlab.functional import aft_conv, aft_conv2d
 from aftlab.ops.aft_conv import aft_conv2d_reference
 from aftlab.testing import assert_close
 
+from .test_scan import OPCHECK
+
 F64 = torch.float64
 
 
@@ -160,3 +162,25 @@ def test_empty_channels_heads_or_batch(qshape):
     assert y.shape == qshape
     y.sum().backward()
     assert [x.grad.shape for x in (q, k, v, w)] == [q.shape, k.shape, v.shape, w.shape]
+
+
+@pytest.mark.parametrize("geometry", ["1d-causal", "2d"])
+def test_op_registration(geometry):
+    """``torch.library.opcheck`` of ``aftlab::aft_conv`` and its backward op (the PyTorch
+    implementation of 1-D and 2-D AFT-conv: schema, fake tensors with their strides, autograd,
+    AOT dispatch), with a transposed ``q`` and one key channel per head."""
+    g = torch.Generator().manual_seed(0)
+    H, W, s = (3, 4, 3) if geometry == "2d" else (1, 7, 4)
+    q = torch.randn(2, W, H, 2, 3, generator=g, dtype=F64).transpose(1, 2)  # not contiguous
+    k = torch.randn(2, H, W, 2, 1, generator=g, dtype=F64)
+    v = torch.randn(2, H, W, 2, 3, generator=g, dtype=F64)
+    w = torch.randn(2, s * s if geometry == "2d" else s, generator=g, dtype=F64)
+    mask = torch.ones(2, H, W, dtype=torch.bool)
+    mask[1, :, -2:] = False
+    geo = (s, geometry == "1d-causal", geometry == "2d")
+    fwd = [x.requires_grad_() for x in (q, k, v, w)] + [mask, *geo]
+    torch.library.opcheck(torch.ops.aftlab.aft_conv.default, fwd, test_utils=OPCHECK)
+    with torch.no_grad():
+        y, Z, O = torch.ops.aftlab.aft_conv(*fwd)
+    bwd = (torch.randn_like(y), q.detach(), k.detach(), v.detach(), w.detach(), mask, Z, O, *geo)
+    torch.library.opcheck(torch.ops.aftlab.aft_conv_backward.default, bwd, test_utils=OPCHECK)

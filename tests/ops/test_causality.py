@@ -37,6 +37,7 @@ except ImportError:  # pragma: no cover - a tree without aftlab.kernels
     KERNEL_OPS, use_kernels, kernels_load = (), None, None
 
 aft_full_module = importlib.import_module("aftlab.ops.aft_full")
+lse_module = importlib.import_module("aftlab.ops.lse_average")
 
 B, T, D = 2, 600, 4
 BAD = [float("nan"), float("inf"), float("-inf"), 1e3]
@@ -192,12 +193,12 @@ def _exact_rows(impl, monkeypatch, q, k, v, w):
     """Rows causal AFT-full computes on its exact path: the kernel's output ``fb`` (C++), the
     calls of the float64 rescue (PyTorch)."""
     if impl == "kernel":
-        block = aft_full_module._causal_block_size(q.shape[1], kernel=True)
+        block = lse_module.causal_block_size(q.shape[1], aft_full_module._KERNEL_CAUSAL_BLOCK)
         fb = torch.ops.aftlab.full(q, k, v, w, None, True, block, False)[3]
         return int(fb.sum())
     calls = []
-    real = aft_full_module._rescue_forward
-    monkeypatch.setattr(aft_full_module, "_rescue_forward", lambda *a: calls.append(1) or real(*a))
+    real = lse_module._rescue_forward
+    monkeypatch.setattr(lse_module, "_rescue_forward", lambda *a: calls.append(1) or real(*a))
     with use_kernels(False):
         aft_full(q, k, v, w, causal=True)
     monkeypatch.undo()

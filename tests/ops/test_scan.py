@@ -270,3 +270,27 @@ def test_compile_fullgraph_equals_eager():
     for name, a, b in zip(("L", "A", "dk", "dv", "ddecay"), got + grads[0], want + grads[1],
                           strict=True):
         assert_close(name, a, b)
+
+
+#: opcheck of the PyTorch custom ops without its dynamic-shape trace: their fakes run the ops'
+#: loops on symbolic shapes (5-10 s each)
+OPCHECK = (
+    "test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_static"
+)
+
+
+def test_op_registration():
+    """``torch.library.opcheck`` of ``aftlab::stable_prefix_average`` and its backward op
+    (schema, fake tensors with their strides, autograd, AOT dispatch); ``T = 19`` is not a
+    multiple of the chunk size, so the outputs are views of padded buffers, in the fakes too."""
+    k, v = _inputs(2, 19, 3)
+    lam = torch.rand(3, dtype=F64, requires_grad=True)
+    op = torch.ops.aftlab.stable_prefix_average
+    torch.library.opcheck(op.default, (k, v, lam), test_utils=OPCHECK)
+    with torch.no_grad():
+        L, A = op(k, v, lam)
+    bwd = (torch.randn_like(L), torch.randn_like(A), k.detach(), v.detach(), lam.detach(), L, A)
+    torch.library.opcheck(
+        torch.ops.aftlab.stable_prefix_average_backward.default, (*bwd, True, True, True),
+        test_utils=OPCHECK,
+    )

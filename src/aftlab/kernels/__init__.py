@@ -13,6 +13,10 @@ implementation. The kernels run when all of these hold:
 
 When they cannot run (no compiler, a failed build, ``AFTLAB_KERNELS=0``) the PyTorch ops run,
 with one warning per process. ``status()`` says, per op, which implementation runs and why.
+
+One module per C++ source, with its ops' callers (its ``__all__``, what the ops call), fakes
+and autograd: :mod:`.scan` (``csrc/scan.cpp``), :mod:`.band` (``band.cpp``), :mod:`.full`
+(``full.cpp``); :mod:`._common` what they share, :mod:`._build` the build and cache.
 """
 
 from __future__ import annotations
@@ -26,9 +30,9 @@ from pathlib import Path
 
 import torch
 
-from . import _build, _ops, band
+from . import _build, band, full, scan
 
-__all__ = ["use_kernels", "enabled", "load", "status", "OPS", "band"]
+__all__ = ["use_kernels", "enabled", "load", "status", "OPS", "band", "full", "scan"]
 
 #: The public ops that have a kernel.
 OPS = ("aft_simple", "aft_decay", "aft_local", "aft_conv", "aft_full")
@@ -73,7 +77,8 @@ def load(*, verbose: bool = False) -> bool:
         if not _error:
             try:
                 _load_library(_build.build(verbose=verbose), verbose)
-                _ops.register()
+                for module in (scan, band, full):
+                    module.register()
             except Exception as e:  # a compiler error, a broken cache entry, ...
                 _error = f"the kernels failed to build or load ({_last_line(e)})"
         _loaded = not _error

@@ -1,4 +1,5 @@
-"""Callers of the fused band kernel (``aftlab::band``, ``csrc/band.cpp``): aft-local, aft-conv 1-D.
+"""Callers of the fused band kernel (``aftlab::band``, ``csrc/band.cpp``): aft-local, aft-conv 1-D,
+with its fake and autograd.
 
 One kernel serves both: keys inside the band ``t - lo <= t' <= t + hi`` get the bias
 ``w[tb(t), g, t' - t + lo]``, keys outside it bias 0 (their prefix and, non-causal, suffix
@@ -19,17 +20,43 @@ from __future__ import annotations
 
 import torch
 
-from ._ops import _LOW, _needs_grad
+from ._common import LOW, needs_grad, register_autograd
 
 __all__ = ["local", "conv1d"]
+
+
+def register() -> None:
+    """Register the fake and autograd of ``aftlab::band`` (once, after the library is loaded)."""
+
+    @torch.library.register_fake("aftlab::band")
+    def _(q, k, v, w, lo, hi, causal, mask, save):
+        stats = k.shape if save else (0,)
+        return q.new_empty(q.shape), k.new_empty(stats, dtype=torch.float64), k.new_empty(stats)
+
+    @torch.library.register_fake("aftlab::band_backward")
+    def _(gy, q, k, v, w, y, mx, iv, lo, hi, causal, mask):
+        return tuple(x.new_empty(x.shape) for x in (q, k, v, w))
+
+    def setup_band(ctx, inputs, output):
+        q, k, v, w, ctx.lo, ctx.hi, ctx.causal, mask, _ = inputs
+        ctx.save_for_backward(q, k, v, w, output[0], output[1], output[2], mask)
+
+    def backward_band(ctx, gy, _gmx, _giv):
+        q, k, v, w, y, mx, iv, mask = ctx.saved_tensors
+        dq, dk, dv, dw = torch.ops.aftlab.band_backward(
+            gy, q, k, v, w, y, mx, iv, ctx.lo, ctx.hi, ctx.causal, mask
+        )
+        return dq, dk, dv, dw, None, None, None, None, None
+
+    register_autograd("band", backward_band, setup_band)
 
 
 def _band(q, k, v, w, lo: int, hi: int, causal: bool, padding_mask):
     """``q, v (B, T, D)``, ``k (B, T, D or G)``, ``w (1 or T, G, lo + hi + 1)``."""
     out_dtype = q.dtype
-    if out_dtype in _LOW:
+    if out_dtype in LOW:
         q, k, v = q.float(), k.float(), v.float()
-    save = _needs_grad(q, k, v, w)
+    save = needs_grad(q, k, v, w)
     y, _, _ = torch.ops.aftlab.band(q, k, v, w, lo, hi, causal, padding_mask, save)
     return y.to(out_dtype)
 

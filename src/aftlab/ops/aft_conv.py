@@ -31,7 +31,9 @@ cancellation):
   plus the headroom ``log(n + 1)`` for the ``n`` terms (``_numerics.headroom``), so every
   exponential is at most ``1 / (n + 1)``, the largest is that (the denominator is positive),
   and the value-weighted sum stays below the largest ``|V|``.
-* The backward pass is written by hand (a custom autograd function) with the same structure:
+* The backward pass is written by hand with the same structure (forward and backward are the
+  custom ops ``aftlab::aft_conv`` and ``aftlab::aft_conv_backward``, called whole by
+  ``torch.compile``):
   with ``P_{t,t'} = e^{K_{t'} + w_{t,t'} - Z_t}`` (``Z_t`` the log of the denominator) and
   ``dO = dY \odot \sigma(Q)``, ``D_t = dO_t \cdot O_t``:
   ``dV_{t'} = \sum_t P_{t,t'} dO_t``, ``dK_{t'} = \sum_t P_{t,t'} (dO_t \cdot V_{t'} - D_t)``,
@@ -53,7 +55,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
-from .._autograd import keep_inputs, once_differentiable
+from .._autograd import register_autograd_once
 from .._checks import check_compatible, check_padding_mask, check_tensor
 from ._numerics import compute_dtype, finite_shift, headroom, lse_merge, shift_along
 from .reference import biased_average_reference
@@ -221,77 +223,126 @@ def _reduce_to(x: torch.Tensor, ck: int) -> torch.Tensor:
     return x.sum(-1, keepdim=True) if ck == 1 else x
 
 
-class _AFTConvFunction(torch.autograd.Function):
-    """Grid form ``q, v: (B, H, W, h, c)``, ``k: (B, H, W, h, ck)``, ``w: (h, n)`` flattened kernel,
-    ``mask: (B, H, W)`` bool or None. Returns ``Y`` in ``q``'s dtype."""
+def _compute_inputs(q, k, v, w, mask):
+    """``q, v`` in the compute dtype; ``k, w`` in float64, the log domain (so ``K + w - m`` is
+    exact even at ``|K|, |w| ~ 1e4``), padded keys ``-inf`` (``e^{-inf} = 0``)."""
+    cdt, ldt = compute_dtype(q.dtype), torch.float64
+    q, v = q.to(cdt), v.to(cdt)
+    k, w = k.to(ldt), w.to(ldt)
+    if mask is not None:
+        k = k.masked_fill(~mask[..., None, None], _NEG_INF)
+    return q, k, v, w
 
-    @staticmethod
-    def forward(ctx, q, k, v, w, mask, geom: _Geometry):
-        keep_inputs(ctx, q, k, v, w)
-        ctx.in_dtypes = (q.dtype, k.dtype, v.dtype, w.dtype)
-        cdt, ldt = compute_dtype(q.dtype), torch.float64
-        # log-domain quantities (K, w, shifts, log-sums; ck channels) in float64, so K + w - m is
-        # exact even at |K|, |w| ~ 1e4; value-weighted sums (c channels) in the compute dtype
-        q, v = q.to(cdt), v.to(cdt)
-        k, w = k.to(ldt), w.to(ldt)
-        if mask is not None:
-            k = k.masked_fill(~mask[..., None, None], _NEG_INF)  # padded keys: e^{-inf} = 0
-        # outside the footprint: stable scans read at the footprint edges
-        L_out, A_out = geom.outside(k, v, transpose=False, dtype=cdt)
-        kp, vp = geom.pad(k, _NEG_INF), geom.pad(v, 0.0)
-        wb = w.view(1, 1, 1, *w.shape, 1)  # (1, 1, 1, h, n, 1)
-        # pass 1: per-(t, channel) shift m_t = max(L_out, max_j K_{t+j} + w_j)
-        m = L_out
-        for di, dj, n in geom.offsets:
-            m = torch.maximum(m, geom.window(kp, di, dj) + wb[..., n, :])
-        m = finite_shift(m) + headroom(len(geom.offsets) + 1)  # num never overflows
-        # pass 2: den = sum e^{K + w - m}, num = sum e^{K + w - m} V (every exponent < 0)
-        den = torch.exp(L_out - m)
-        num = den.to(cdt) * A_out
-        for di, dj, n in geom.offsets:
-            p = torch.exp(geom.window(kp, di, dj) + wb[..., n, :] - m)
-            den = den + p
-            num.addcmul_(p.to(cdt), geom.window(vp, di, dj))
-        valid = den > 0  # False only for a query with no valid key
-        O = num / torch.where(valid, den, torch.ones_like(den)).to(cdt)  # num = 0 where not valid
-        # Z_t = m_t + log(den_t): the log of the denominator (-inf for a query with no key)
-        Z = torch.where(valid, m + torch.log(den), torch.full_like(den, _NEG_INF))
-        ctx.save_for_backward(q, k, v, w, Z, O)
-        ctx.geom = geom
-        return (torch.sigmoid(q) * O).to(ctx.in_dtypes[0])
 
-    @staticmethod
-    @once_differentiable("aft_conv")
-    def backward(ctx, gY):
-        q, k, v, w, Z, O = ctx.saved_tensors
-        geom: _Geometry = ctx.geom
-        c, ck, cdt = v.shape[-1], k.shape[-1], v.dtype
-        gY = gY.to(cdt)
-        sig = torch.sigmoid(q)
-        dq = gY * O * sig * (1 - sig)
-        dO = gY * sig
-        Dt = _reduce_to(dO * O, ck)  # D_t = dO_t . O_t (over the channels sharing a key)
-        # outside part: key t' gets sum over queries t whose footprint excludes t' of
-        # e^{K_t' - Z_t} [dO_t, D_t]: a stable scan with keys -Z_t, read at the transposed edge
-        Lb, Ab = geom.outside(-Z, torch.cat([dO, Dt], -1), transpose=True, dtype=cdt)
-        f = torch.exp(k + Lb)  # <= T: K_t' - Z_t <= 0 for every t
-        dv = (f * Ab[..., :c]).to(cdt)
-        dk = _reduce_to(v * dv, ck).to(k.dtype) - f * Ab[..., c:]
-        # inside the footprint: P_{t,j} = e^{K_{t+j} + w_j - Z_t}, accumulated in the query frame
-        Zs = torch.where(torch.isfinite(Z), Z, torch.zeros_like(Z))
-        kp, vp = geom.pad(k, _NEG_INF), geom.pad(v, 0.0)
-        dkp, dvp = geom.pad(dk, 0.0), geom.pad(dv, 0.0)
-        dw = torch.zeros_like(w)
-        wb = w.view(1, 1, 1, *w.shape, 1)
-        for di, dj, n in geom.offsets:
-            p = torch.exp(geom.window(kp, di, dj) + wb[..., n, :] - Zs)
-            geom.window(dvp, di, dj).addcmul_(p.to(cdt), dO)
-            da = p * (_reduce_to(dO * geom.window(vp, di, dj), ck) - Dt)
-            geom.window(dkp, di, dj).add_(da)
-            dw[:, n] = da.sum(dim=(0, 1, 2, 4))
-        dk, dv = geom.interior(dkp), geom.interior(dvp)
-        dq_t, dk_t, dv_t, dw_t = ctx.in_dtypes
-        return dq.to(dq_t), dk.to(dk_t), dv.to(dv_t), dw.to(dw_t), None, None
+def _conv_forward(q, k, v, w, mask, s: int, causal: bool, two_d: bool):
+    """Grid form ``q, v: (B, H, W, h, c)``, ``k: (B, H, W, h, ck)``, ``w: (h, n)`` flattened
+    kernel, ``mask: (B, H, W)`` bool or None. Returns ``(Y, Z, O)``: ``Y`` in ``q``'s dtype, and
+    for the backward ``Z`` (the log of the denominator) and ``O`` (the average)."""
+    geom = _Geometry.make(q.shape[1], q.shape[2], s, causal=causal, two_d=two_d)
+    out_dtype = q.dtype
+    q, k, v, w = _compute_inputs(q, k, v, w, mask)
+    cdt = v.dtype
+    # outside the footprint: stable scans read at the footprint edges
+    L_out, A_out = geom.outside(k, v, transpose=False, dtype=cdt)
+    kp, vp = geom.pad(k, _NEG_INF), geom.pad(v, 0.0)
+    wb = w.view(1, 1, 1, *w.shape, 1)  # (1, 1, 1, h, n, 1)
+    # pass 1: per-(t, channel) shift m_t = max(L_out, max_j K_{t+j} + w_j)
+    m = L_out
+    for di, dj, n in geom.offsets:
+        m = torch.maximum(m, geom.window(kp, di, dj) + wb[..., n, :])
+    m = finite_shift(m) + headroom(len(geom.offsets) + 1)  # num never overflows
+    # pass 2: den = sum e^{K + w - m}, num = sum e^{K + w - m} V (every exponent < 0)
+    den = torch.exp(L_out - m)
+    num = den.to(cdt) * A_out
+    for di, dj, n in geom.offsets:
+        p = torch.exp(geom.window(kp, di, dj) + wb[..., n, :] - m)
+        den = den + p
+        num.addcmul_(p.to(cdt), geom.window(vp, di, dj))
+    valid = den > 0  # False only for a query with no valid key
+    O = num / torch.where(valid, den, torch.ones_like(den)).to(cdt)  # num = 0 where not valid
+    # Z_t = m_t + log(den_t): the log of the denominator (-inf for a query with no key)
+    Z = torch.where(valid, m + torch.log(den), torch.full_like(den, _NEG_INF))
+    return (torch.sigmoid(q) * O).to(out_dtype), Z, O
+
+
+def _conv_backward(gY, q, k, v, w, mask, Z, O, s: int, causal: bool, two_d: bool):
+    """``(dq, dk, dv, dw)`` of :func:`_conv_forward`, each in its input's dtype."""
+    geom = _Geometry.make(q.shape[1], q.shape[2], s, causal=causal, two_d=two_d)
+    dq_t, dk_t, dv_t, dw_t = q.dtype, k.dtype, v.dtype, w.dtype
+    q, k, v, w = _compute_inputs(q, k, v, w, mask)
+    c, ck, cdt = v.shape[-1], k.shape[-1], v.dtype
+    gY = gY.to(cdt)
+    sig = torch.sigmoid(q)
+    dq = gY * O * sig * (1 - sig)
+    dO = gY * sig
+    Dt = _reduce_to(dO * O, ck)  # D_t = dO_t . O_t (over the channels sharing a key)
+    # outside part: key t' gets sum over queries t whose footprint excludes t' of
+    # e^{K_t' - Z_t} [dO_t, D_t]: a stable scan with keys -Z_t, read at the transposed edge
+    Lb, Ab = geom.outside(-Z, torch.cat([dO, Dt], -1), transpose=True, dtype=cdt)
+    f = torch.exp(k + Lb)  # <= T: K_t' - Z_t <= 0 for every t
+    dv = (f * Ab[..., :c]).to(cdt)
+    dk = _reduce_to(v * dv, ck).to(k.dtype) - f * Ab[..., c:]
+    # inside the footprint: P_{t,j} = e^{K_{t+j} + w_j - Z_t}, accumulated in the query frame
+    Zs = torch.where(torch.isfinite(Z), Z, torch.zeros_like(Z))
+    kp, vp = geom.pad(k, _NEG_INF), geom.pad(v, 0.0)
+    dkp, dvp = geom.pad(dk, 0.0), geom.pad(dv, 0.0)
+    dw = torch.zeros_like(w)
+    wb = w.view(1, 1, 1, *w.shape, 1)
+    for di, dj, n in geom.offsets:
+        p = torch.exp(geom.window(kp, di, dj) + wb[..., n, :] - Zs)
+        geom.window(dvp, di, dj).addcmul_(p.to(cdt), dO)
+        da = p * (_reduce_to(dO * geom.window(vp, di, dj), ck) - Dt)
+        geom.window(dkp, di, dj).add_(da)
+        dw[:, n] = da.sum(dim=(0, 1, 2, 4))
+    dk, dv = geom.interior(dkp), geom.interior(dvp)
+    return dq.to(dq_t), dk.to(dk_t), dv.to(dv_t), dw.to(dw_t)
+
+
+# One opaque operator forward and backward, like the scan, lse_average and the C++ kernels:
+# torch.compile calls it whole. Its fakes are the computation itself on fake tensors (strides
+# exact whatever the inputs' layout; a value read on the host, a sync on a GPU, fails there).
+@torch.library.custom_op("aftlab::aft_conv", mutates_args=())
+def _conv_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
+    mask: torch.Tensor | None, s: int, causal: bool, two_d: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _conv_forward(q, k, v, w, mask, s, causal, two_d)
+
+
+_conv_op.register_fake(_conv_forward)
+
+
+@torch.library.custom_op("aftlab::aft_conv_backward", mutates_args=())
+def _conv_backward_op(
+    gY: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
+    mask: torch.Tensor | None, Z: torch.Tensor, O: torch.Tensor, s: int, causal: bool,
+    two_d: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _conv_backward(gY, q, k, v, w, mask, Z, O, s, causal, two_d)
+
+
+_conv_backward_op.register_fake(_conv_backward)
+
+
+def _conv_setup(ctx, inputs, output):
+    q, k, v, w, mask, *ctx.geom = inputs
+    _, Z, O = output
+    ctx.save_for_backward(q, k, v, w, mask, Z, O)
+
+
+def _conv_grad(ctx, gY, _gZ, _gO):
+    q, k, v, w, mask, Z, O = ctx.saved_tensors
+    gY = torch.zeros_like(q) if gY is None else gY
+    dq, dk, dv, dw = _conv_backward_op(gY, q, k, v, w, mask, Z, O, *ctx.geom)
+    return dq, dk, dv, dw, None, None, None, None
+
+
+register_autograd_once("aftlab::aft_conv", _conv_grad, _conv_setup, what="PyTorch")
+
+
+def _conv(q, k, v, w, mask, s: int, *, causal: bool, two_d: bool) -> torch.Tensor:
+    """:func:`_conv_forward`'s ``Y``, differentiable (once) in ``q, k, v, w``."""
+    return _conv_op(q, k, v, w, mask, s, causal, two_d)[0]
 
 
 # --------------------------------------------------------------------------- validation
@@ -388,14 +439,13 @@ def aft_conv(
 
 def _aft_conv(q, k, v, w, *, causal: bool, padding_mask):
     """:func:`aft_conv` without the checks (the mixer's call: its input is validated)."""
-    T, s = q.shape[1], w.shape[-1]
+    s = w.shape[-1]
     if q.numel() == 0:  # no batch, positions, heads or channels
         return _empty(q, k, v, w)
     if kernels.enabled(q):
         return kernels.band.conv1d(q, k, v, w, causal=causal, padding_mask=padding_mask)
-    geom = _Geometry.make(1, T, s, causal=bool(causal), two_d=False)
     mask = None if padding_mask is None else padding_mask[:, None]
-    y = _AFTConvFunction.apply(q[:, None], k[:, None], v[:, None], w, mask, geom)
+    y = _conv(q[:, None], k[:, None], v[:, None], w, mask, s, causal=bool(causal), two_d=False)
     return y[:, 0]
 
 
@@ -446,11 +496,11 @@ def aft_conv2d(
 
 def _aft_conv2d(q, k, v, w, *, padding_mask):
     """:func:`aft_conv2d` without the checks (the mixer's call: its input is validated)."""
-    H, W, s = q.shape[1], q.shape[2], w.shape[-1]
+    s = w.shape[-1]
     if q.numel() == 0:  # no batch, positions, heads or channels
         return _empty(q, k, v, w)
-    geom = _Geometry.make(H, W, s, causal=False, two_d=True)
-    return _AFTConvFunction.apply(q, k, v, w.reshape(w.shape[0], s * s), padding_mask, geom)
+    w = w.reshape(w.shape[0], s * s)
+    return _conv(q, k, v, w, padding_mask, s, causal=False, two_d=True)
 
 
 # --------------------------------------------------------------------------- references

@@ -82,7 +82,7 @@ def aft_decay(
 def _aft_decay(q, k, v, decay, bonus, *, padding_mask):
     """:func:`aft_decay` without the checks (the mixer's call: its input is validated)."""
     if kernels.enabled(q, decay, bonus):
-        return kernels._ops.aft_decay(q, k, v, decay, bonus, padding_mask=padding_mask)
+        return kernels.scan.aft_decay(q, k, v, decay, bonus, padding_mask=padding_mask)
     return _aft_decay_torch(q, k, v, decay, bonus, padding_mask=padding_mask)
 
 

@@ -9,7 +9,7 @@ elsewhere (not -inf: every position still sees every other), elementwise over ch
 log-sum-exp ``L`` and a softmax average ``A`` (so that nothing overflows and nothing cancels):
 
 * the band ``|t - t'| < s``: ``L^band, A^band`` from the banded two-matmul kernel
-  :func:`aftlab.ops.aft_full.lse_average` (blocks of 64 queries against the ``64 + 2s - 2``
+  :func:`aftlab.ops.lse_average.lse_average` (blocks of 64 queries against the ``64 + 2s - 2``
   keys they see), whose bias is stored by diagonal offset, ``w_band[t, j] = w_{t, t + j - (s-1)}``;
 * the keys ``t' <= t - s`` (bias 0): the prefix primitive
   :func:`aftlab.ops.scan.stable_prefix_average` read at ``t - s``;
@@ -22,7 +22,7 @@ They are combined with a per-``(t, c)`` maximum ``M = max_p L^p``::
 (``M`` plus the headroom ``log 4``, so that the sum of at most three averages never overflows)
 in float64 for the ``L^p`` (the band's reaches ``2 * finfo(float32).max`` for the largest
 float32 keys and biases); a NaN input stays NaN. Causal, every part sees only ``t' <= t``
-(the band's blocks as causal AFT-full's, see :mod:`aftlab.ops.aft_full`), so an output never
+(the band's blocks as causal AFT-full's, see :mod:`aftlab.ops.lse_average`), so an output never
 depends on a later input, bit for bit.
 
 This is the paper's "global sum plus local correction ``exp(w) - 1``" without its subtraction,
@@ -37,7 +37,8 @@ import torch
 from .. import kernels
 from .._checks import check_compatible, check_positive_int, check_qkv, check_tensor
 from ._numerics import compute_dtype, headroom, shift_along
-from .aft_full import Geometry, check_aft_inputs, lse_average
+from .aft_full import check_aft_inputs
+from .lse_average import Geometry, lse_average
 from .reference import biased_average_reference
 from .scan import _stable_prefix_average
 

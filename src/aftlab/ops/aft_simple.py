@@ -59,7 +59,7 @@ def aft_simple(
 def _aft_simple(q, k, v, *, causal: bool, padding_mask):
     """:func:`aft_simple` without the checks (the mixer's call: its input is validated)."""
     if kernels.enabled(q):
-        return kernels._ops.aft_simple(q, k, v, causal=causal, padding_mask=padding_mask)
+        return kernels.scan.aft_simple(q, k, v, causal=causal, padding_mask=padding_mask)
     return _aft_simple_torch(q, k, v, causal=causal, padding_mask=padding_mask)
 
 

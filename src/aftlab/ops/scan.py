@@ -39,17 +39,19 @@ key ``k`` gives ``L = k``, ``r = 1`` whatever its size); ``r`` and ``g`` are tak
 ``2^p >= m``, so that ``m lambda`` never overflows on its own (only a result below ``-max``
 becomes ``-inf``, its rounding).
 
-The backward pass (a custom :class:`torch.autograd.Function`) is one reverse gated scan of the
-same shape, ``P_t = z_t + (1 - r_{t+1}) P_{t+1}``, on two signals at once (see
-:class:`_PrefixAverage`). Time ``O(B T d)``, memory ``O(B T d)``; float16/bfloat16 inputs are
-computed in float32 and returned in their own dtype.
+The backward pass is one reverse gated scan of the same shape,
+``P_t = z_t + (1 - r_{t+1}) P_{t+1}``, on two signals at once (see :func:`_scan_backward`).
+Forward and backward are the custom ops ``aftlab::stable_prefix_average`` and
+``aftlab::stable_prefix_average_backward`` (``torch.library.custom_op``, as every hand-written
+backward in aftlab): ``torch.compile`` calls them whole. Time ``O(B T d)``, memory
+``O(B T d)``; float16/bfloat16 inputs are computed in float32 and returned in their own dtype.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .._autograd import keep_inputs, once_differentiable
+from .._autograd import register_autograd_once
 from .._checks import check_compatible, check_padding_mask, check_tensor
 from ._numerics import compute_dtype
 
@@ -230,8 +232,10 @@ def _scan_reverse_(p: torch.Tensor, gn: torch.Tensor, C: int) -> None:
         pc[:S].addcmul_(pc[S:], Pnext[:, :, :, None])
 
 
-class _PrefixAverage(torch.autograd.Function):
-    """``(k, v, lambda) -> (L, A)`` with a reverse-scan backward.
+def _scan_backward(dL, dA, k, v, lam, L, A, grad_k: bool, grad_v: bool, grad_lam: bool):
+    """``(p, dlambda)`` of the prefix average: the reverse scan's buffer ``p (3, B, Tp, d)``,
+    in which ``dv = p[0, :, :T]`` and ``dk = p[1, :, :T]`` are built (each when asked for), and
+    ``dlambda (d,)`` (empty unless ``grad_lam``).
 
     With ``r_t = exp(k_t - L_t)``, ``g_t = 1 - r_t = exp(L_{t-1} - lambda - L_t)`` and the
     upstream gradients ``dL``, ``dA``, let ``e_t = dL_t - dA_t A_t`` and run backwards
@@ -244,41 +248,80 @@ class _PrefixAverage(torch.autograd.Function):
         dv_t = r_t P^A_t,   dk_t = r_t (P^e_t + v_t P^A_t),
         dlambda = -sum_{b,t} g_t (P^e_t + P^A_t A_{t-1}).
     """
+    B, T, d = k.shape
+    r = _weight(k, L)
+    p, C = _reverse_buffer(2, B, T, d, k)
+    gn = torch.zeros(B, p.shape[2], d, dtype=k.dtype, device=k.device)
+    # In place into the buffers' slices (no fresh full-size tensor).
+    gn[:, : T - 1].copy_(r[:, 1:]).neg_().add_(1.0)  # gn_t = g_{t+1} = 1 - r_{t+1}
+    p[0, :, :T] = dA
+    p[1, :, :T].copy_(dL).addcmul_(dA, A, value=-1.0)  # e = dL - dA * A
+    _scan_reverse_(p, gn, C)
+    del gn
+    PA, Pe, work = p[0, :, :T], p[1, :, :T], p[2, :, :T]
+    dlam = k.new_empty(0)
+    if grad_lam:
+        # dlambda = -sum_t g_t (P^e_t + P^A_t A_{t-1}), g_t = 1 - r_t (A_{-1} = 0)
+        work[:, 0] = Pe[:, 0]
+        work[:, 1:].copy_(Pe[:, 1:]).addcmul_(PA[:, 1:], A[:, :-1])
+        dlam = -work.addcmul_(work, r, value=-1.0).sum((0, 1))  # work * (1 - r), per element
+    # In place in the scan's buffer: dk = r (P^e + v P^A), then dv = r P^A.
+    if grad_k:
+        Pe.addcmul_(v, PA).mul_(r)
+    if grad_v:
+        PA.mul_(r)
+    return p, dlam
 
-    @staticmethod
-    def forward(ctx, k, v, lam):  # noqa: D102
-        L, A = _scan_forward(k, v, lam)
-        keep_inputs(ctx, k, v, lam)
-        ctx.save_for_backward(k, v, lam, L, A)
-        ctx.has_lam = lam is not None
-        return L, A
 
-    @staticmethod
-    @once_differentiable("the stable scan (aft_simple, aft_decay)")
-    def backward(ctx, dL, dA):  # noqa: D102
-        k, v, lam, L, A = ctx.saved_tensors
-        B, T, d = k.shape
-        r = _weight(k, L)
-        p, C = _reverse_buffer(2, B, T, d, k)
-        gn = torch.zeros(B, p.shape[2], d, dtype=k.dtype, device=k.device)
-        # In place into the buffers' slices (no fresh full-size tensor; and no out= into a
-        # strided slice, which torch.compile cannot trace).
-        gn[:, : T - 1].copy_(r[:, 1:]).neg_().add_(1.0)  # gn_t = g_{t+1} = 1 - r_{t+1}
-        p[0, :, :T] = dA
-        p[1, :, :T].copy_(dL).addcmul_(dA, A, value=-1.0)  # e = dL - dA * A
-        _scan_reverse_(p, gn, C)
-        del gn
-        PA, Pe, work = p[0, :, :T], p[1, :, :T], p[2, :, :T]
-        dlam = None
-        if ctx.has_lam and ctx.needs_input_grad[2]:
-            # dlambda = -sum_t g_t (P^e_t + P^A_t A_{t-1}), g_t = 1 - r_t (A_{-1} = 0)
-            work[:, 0] = Pe[:, 0]
-            work[:, 1:].copy_(Pe[:, 1:]).addcmul_(PA[:, 1:], A[:, :-1])
-            dlam = -work.addcmul_(work, r, value=-1.0).sum((0, 1))  # work * (1 - r), per element
-        # In place in the scan's buffer: dk = r (P^e + v P^A), then dv = r P^A.
-        dk = Pe.addcmul_(v, PA).mul_(r) if ctx.needs_input_grad[0] else None
-        dv = PA.mul_(r) if ctx.needs_input_grad[1] else None
-        return dk, dv, dlam
+# The prefix average is one opaque operator, forward and backward, like lse_average and the C++
+# kernels: torch.compile calls it whole instead of unrolling its chunk loops into its graph. Its
+# fakes are the computation itself on fake tensors (strides exact; a value read on the host, a
+# sync on a GPU, fails there, under torch.compile).
+@torch.library.custom_op("aftlab::stable_prefix_average", mutates_args=())
+def _scan_op(
+    k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _scan_forward(k, v, lam)
+
+
+_scan_op.register_fake(_scan_forward)
+
+
+@torch.library.custom_op("aftlab::stable_prefix_average_backward", mutates_args=())
+def _scan_backward_op(
+    dL: torch.Tensor, dA: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    lam: torch.Tensor | None, L: torch.Tensor, A: torch.Tensor,
+    grad_k: bool, grad_v: bool, grad_lam: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # dk and dv are views of one buffer: it is returned whole (a custom op's outputs may not
+    # alias each other)
+    return _scan_backward(dL, dA, k, v, lam, L, A, grad_k, grad_v, grad_lam)
+
+
+_scan_backward_op.register_fake(_scan_backward)
+
+
+def _scan_setup(ctx, inputs, output):
+    k, v, lam = inputs
+    ctx.save_for_backward(k, v, lam, *output)
+
+
+def _scan_grad(ctx, dL, dA):
+    k, v, lam, L, A = ctx.saved_tensors
+    grad_k, grad_v, grad_lam = ctx.needs_input_grad
+    grad_lam = grad_lam and lam is not None
+    dL = torch.zeros_like(L) if dL is None else dL
+    dA = torch.zeros_like(A) if dA is None else dA
+    p, dlam = _scan_backward_op(dL, dA, k, v, lam, L, A, grad_k, grad_v, grad_lam)
+    T = k.shape[1]
+    return (
+        p[1, :, :T] if grad_k else None,
+        p[0, :, :T] if grad_v else None,
+        dlam if grad_lam else None,
+    )
+
+
+register_autograd_once("aftlab::stable_prefix_average", _scan_grad, _scan_setup, what="PyTorch")
 
 
 def stable_prefix_average(
@@ -363,7 +406,7 @@ def _stable_prefix_average(k, v, *, decay=None, reverse: bool = False, padding_m
         keep = mask[:, :, None]
         kk = kk.masked_fill(~keep, float("-inf"))
         vv = vv.masked_fill(~keep, 0.0)
-    L, A = _PrefixAverage.apply(kk.contiguous(), vv.contiguous(), lam)
+    L, A = _scan_op(kk.contiguous(), vv.contiguous(), lam)
     if reverse:
         L, A = L.flip(1), A.flip(1)
     return L.to(out_dtype), A.to(out_dtype)

@@ -1,0 +1,105 @@
+"""Callers of the scan kernels (``csrc/scan.cpp``): ``aftlab::simple_causal``,
+``simple_global`` (aft-simple) and ``decay`` (aft-decay, RWKV's WKV), with their fakes and
+autograd.
+
+The library must be loaded (:func:`aftlab.kernels.load`); inputs are validated by the public
+ops. float16/bfloat16 are computed in float32 and returned in their dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._common import LOW, needs_grad, register_autograd
+
+__all__ = ["aft_simple", "aft_decay"]
+
+
+def _empty_or_like(x: torch.Tensor, save: bool) -> torch.Tensor:
+    """A contiguous tensor shaped like ``x`` (what the C++ ops return), or empty."""
+    return x.new_empty(x.shape) if save else x.new_empty(0)
+
+
+def register() -> None:
+    """Register the fakes and autograd of ``aftlab::simple_causal``, ``simple_global`` and
+    ``decay`` (once, after the library is loaded)."""
+    lib = "aftlab::"
+
+    @torch.library.register_fake(lib + "simple_causal")
+    def _(q, k, v, mask, save):
+        return q.new_empty(q.shape), _empty_or_like(q, save)
+
+    @torch.library.register_fake(lib + "simple_causal_backward")
+    def _(gy, q, v, y, r):
+        return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
+
+    @torch.library.register_fake(lib + "simple_global")
+    def _(q, k, v, mask):
+        return q.new_empty(q.shape), q.new_empty(3, q.shape[0], q.shape[2])
+
+    @torch.library.register_fake(lib + "simple_global_backward")
+    def _(gy, q, k, v, stats, mask):
+        return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
+
+    @torch.library.register_fake(lib + "decay")
+    def _(q, k, v, decay, bonus, mask, save):
+        return q.new_empty(q.shape), _empty_or_like(q, save), _empty_or_like(q, save)
+
+    @torch.library.register_fake(lib + "decay_backward")
+    def _(gy, q, v, y, r, w):
+        d = q.shape[2]
+        like = q.new_empty(q.shape)
+        return like, q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(d), q.new_empty(d)
+
+    def setup_simple_causal(ctx, inputs, output):
+        q, _, v, _, _ = inputs
+        ctx.save_for_backward(q, v, output[0], output[1])
+
+    def backward_simple_causal(ctx, gy, _gr):
+        q, v, y, r = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aftlab.simple_causal_backward(gy, q, v, y, r)
+        return dq, dk, dv, None, None
+
+    def setup_simple_global(ctx, inputs, output):
+        q, k, v, mask = inputs
+        ctx.save_for_backward(q, k, v, output[1], mask)
+
+    def backward_simple_global(ctx, gy, _gstats):
+        q, k, v, stats, mask = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aftlab.simple_global_backward(gy, q, k, v, stats, mask)
+        return dq, dk, dv, None
+
+    def setup_decay(ctx, inputs, output):
+        q, _, v, _, _, _, _ = inputs
+        ctx.save_for_backward(q, v, output[0], output[1], output[2])
+
+    def backward_decay(ctx, gy, _gr, _gw):
+        q, v, y, r, w = ctx.saved_tensors
+        dq, dk, dv, dlam, du = torch.ops.aftlab.decay_backward(gy, q, v, y, r, w)
+        return dq, dk, dv, dlam, du, None, None
+
+    register_autograd("simple_causal", backward_simple_causal, setup_simple_causal)
+    register_autograd("simple_global", backward_simple_global, setup_simple_global)
+    register_autograd("decay", backward_decay, setup_decay)
+
+
+def aft_simple(q, k, v, *, causal: bool, padding_mask):
+    """Kernel of :func:`aftlab.ops.aft_simple` (inputs already validated)."""
+    out_dtype = q.dtype
+    if out_dtype in LOW:
+        q, k, v = q.float(), k.float(), v.float()
+    if causal:
+        y, _ = torch.ops.aftlab.simple_causal(q, k, v, padding_mask, needs_grad(q, k, v))
+    else:
+        y, _ = torch.ops.aftlab.simple_global(q, k, v, padding_mask)
+    return y.to(out_dtype)
+
+
+def aft_decay(q, k, v, decay, bonus, *, padding_mask):
+    """Kernel of :func:`aftlab.ops.aft_decay` (inputs already validated)."""
+    out_dtype = q.dtype
+    cdt = torch.float32 if out_dtype in LOW else out_dtype
+    q, k, v, decay, bonus = (t.to(cdt) for t in (q, k, v, decay, bonus))
+    save = needs_grad(q, k, v, decay, bonus)
+    y, _, _ = torch.ops.aftlab.decay(q, k, v, decay, bonus, padding_mask, save)
+    return y.to(out_dtype)
