@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from .._system import env_off
 from . import _build, band, full, scan
 
 __all__ = ["use_kernels", "enabled", "load", "status", "OPS", "band", "full", "scan"]
@@ -41,10 +42,6 @@ _forced: bool | None = None  # set by use_kernels
 _loaded: bool | None = None  # None: not tried yet
 _error: str = ""  # why the kernels could not be loaded
 _warned: set[str] = set()
-
-
-def _env_off() -> bool:
-    return os.environ.get("AFTLAB_KERNELS", "1").strip().lower() in ("0", "false", "no", "off")
 
 
 def _warn_once(reason: str) -> None:
@@ -123,7 +120,7 @@ def use_kernels(on: bool | None) -> Iterator[None]:
 def _kernels_on() -> bool:
     if _forced is not None:
         return _forced
-    if _env_off():
+    if env_off("AFTLAB_KERNELS"):
         _warn_once("AFTLAB_KERNELS=0")
         return False
     if not load():
@@ -149,7 +146,7 @@ def status() -> dict[str, tuple[str, str]]:
     """``{op: (implementation, reason)}`` for CPU tensors, building the kernels if needed."""
     if _forced is False:
         impl, why = "pytorch", "switched off by use_kernels(False)"
-    elif _forced is None and _env_off():
+    elif _forced is None and env_off("AFTLAB_KERNELS"):
         impl, why = "pytorch", "switched off by AFTLAB_KERNELS=0"
     elif load():
         impl, why = "kernel", f"compiled library {_build.library_path()}"

@@ -281,7 +281,9 @@ def _rescue_rows(k, v, wb, geo, rows):
         kpos = kpos.clamp(0, T - 1)
         s = k[b[:, None], kpos].double() + wb[t[:, None], j[None, :]].double()[:, :, None]
         s = s.masked_fill(~valid[:, :, None], float("-inf"))
-        m = _floor(s.amax(1, keepdim=True)) + headroom(j.numel())
+        # the headroom of the widest row, W: not of the columns this chunk reads, which depend
+        # on the chunk's last row (a later row rescued would change an earlier row's rounding)
+        m = _floor(s.amax(1, keepdim=True)) + headroom(geo.W)
         yield b, t, j, kpos, valid, s, m
 
 
