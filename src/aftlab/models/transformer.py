@@ -463,19 +463,13 @@ class TransformerLM(nn.Module):
 
     # ------------------------------------------------------------------ GPT-2
     @staticmethod
-    def from_gpt2_state_dict(
-        state_dict: Mapping[str, torch.Tensor],
-        *,
-        config: TransformerConfig | None = None,
-        n_heads: int | None = None,
-        layer_norm_eps: float = 1e-5,
-    ) -> TransformerLM:
+    def from_gpt2_state_dict(state_dict: Mapping[str, torch.Tensor], **kwargs) -> TransformerLM:
         """Build a model from a Hugging Face ``GPT2LMHeadModel`` (or ``GPT2Model``) state dict.
 
-        :func:`~aftlab.models.gpt2.load_gpt2_state_dict` (which imports this module; it builds
-        a :class:`TransformerLM`, called on a subclass too): the config is inferred from the
-        shapes unless given; the number of heads is not in the shapes, so pass ``n_heads``
-        (``GPT2Config.n_head``) or a ``config``.
+        :func:`~aftlab.models.gpt2.load_gpt2_state_dict`, with its keyword arguments
+        (``config``, ``n_heads``, ``layer_norm_eps``); it builds a :class:`TransformerLM`, called
+        on a subclass too. The config is inferred from the shapes unless given; the number of
+        heads is not in the shapes, so pass ``n_heads`` (``GPT2Config.n_head``) or a ``config``.
 
         Example:
             >>> from transformers import GPT2Config, GPT2LMHeadModel  # doctest: +SKIP
@@ -487,11 +481,9 @@ class TransformerLM(nn.Module):
             ValueError: ``n_heads`` missing or not dividing ``n_embd``; a missing, unexpected or
                 wrongly shaped tensor (named with expected and received shape).
         """
-        from .gpt2 import load_gpt2_state_dict
+        from .gpt2 import load_gpt2_state_dict  # gpt2 imports this module
 
-        return load_gpt2_state_dict(
-            state_dict, config=config, n_heads=n_heads, layer_norm_eps=layer_norm_eps
-        )
+        return load_gpt2_state_dict(state_dict, **kwargs)
 
 
 # --------------------------------------------------------------------------- classifier
