@@ -32,6 +32,9 @@ import torch
 __all__ = ["biased_average_reference"]
 
 BiasRow = Callable[[int], torch.Tensor]
+#: ``t -> (L_t, A_t)``: the log-sum ``(B, *Fk)`` and average ``(B, *F)`` of the keys before the
+#: sequence (a state's summary, as query ``t`` weighs it); ``L = -inf`` for none
+PastRow = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 
 
 def biased_average_reference(
@@ -42,6 +45,7 @@ def biased_average_reference(
     *,
     causal: bool = False,
     padding_mask: torch.Tensor | None = None,
+    past: PastRow | None = None,
 ) -> torch.Tensor:
     """Float64 ``Y_t = sigma(Q_t) * sum_{t' in S_t} softmax_t'(K_t' + b_{t,t'}) V_t'``, row by row.
 
@@ -54,6 +58,9 @@ def biased_average_reference(
             ``(T, h, 1)`` per head); None for no bias. Entries of unseen keys are ignored.
         causal: query ``t`` sees only ``t' <= t``.
         padding_mask: ``(B, T)`` bool, True where a key is real.
+        past: ``t -> (L_t, A_t)``, the keys that came before the sequence (a chunk's initial
+            state) as one more term of every row: ``exp(L_t)`` joins the denominator and
+            ``exp(L_t) A_t`` the numerator. None: no past.
 
     Returns:
         ``(B, T, *F)`` float64, differentiable. A query that sees no key gives 0; a NaN or inf
@@ -73,10 +80,16 @@ def biased_average_reference(
         z = k if bias_row is None else k + bias_row(t).double()
         z = z.masked_fill(~seen, float("-inf"))  # an unseen NaN never enters
         m = z.amax(1, keepdim=True).detach()
+        if past is not None:
+            Lp, Ap = (x.double() for x in past(t))
+            m = torch.maximum(m, Lp[:, None].detach())
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # nothing seen: 0, not NaN
         e = torch.exp(z - m)
         den = e.sum(1)  # >= 1 when a key is seen, 0 when none is, NaN when a NaN is
         num = (e * v.masked_fill(~seen, 0.0)).sum(1)
+        if past is not None:
+            ep = torch.exp(Lp - m[:, 0])  # 0 for no past (L = -inf)
+            den, num = den + ep, num + ep * Ap
         empty = den == 0
         avg = torch.where(empty, 0.0, num / torch.where(empty, 1.0, den))
         rows.append(torch.sigmoid(q[:, t]) * avg)

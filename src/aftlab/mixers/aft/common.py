@@ -7,100 +7,15 @@ sigma-gated AFT op ``Y = sigma(Q) * (...)`` and projects back with ``W^O`` (then
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from ...ops._numerics import compute_dtype
+from ...ops.state import RunningSums, shifted_sums
 from ..base import SequenceMixer, mark_residual_projection
 
 __all__ = ["AFTMixer", "RunningSums", "shifted_sums"]
-
-
-#: exponent floor of :func:`shifted_sums`: ``e^-60 < 1e-26``, negligible next to 1 in float64
-_NEGLIGIBLE = -60.0
-
-
-def shifted_sums(
-    z: torch.Tensor, v: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sums over the tokens of exponents ``z`` and values ``v`` (both ``(B, T, d)``), shifted::
-
-        p = max_t' z_t',   a = sum_t' exp(z_t' - p) V_t',   b = sum_t' exp(z_t' - p)
-
-    each ``(B, d)``; every ``exp`` is ``<= 1`` and the largest is 1. ``T = 0`` gives
-    ``p = -inf``, ``a = b = 0`` (no token). This is the running ``(p, a, b)`` of an online
-    log-sum-exp after the ``T`` tokens (its maximum is exact, its sums equal within rounding),
-    computed as one reduction over ``T`` instead of ``T`` sequential updates.
-
-    Exponents ``z - p`` below ``-60`` are raised to ``-60``: such terms (``< 1e-26`` against
-    the largest, 1) are below the rounding of ``b >= 1`` in float32 and float64 alike, and an
-    ``exp`` that underflows takes a slow path on CPU: for the old tokens of ``aft-decay``
-    (``z = K - (T-1-t') lambda``) the reduction took 11 ms instead of 2 ms (T=4096, d=256).
-    """
-    if z.shape[1] == 0:
-        b = z.new_zeros(z.shape[0], z.shape[2])
-        return torch.full_like(b, float("-inf")), torch.zeros_like(b), b
-    p = z.amax(1)
-    e = torch.exp((z - p[:, None]).clamp_min(_NEGLIGIBLE))
-    return p, (e * v).sum(1), e.sum(1)
-
-
-@dataclass
-class RunningSums:
-    """Decoding state of the O(d)-per-token AFT mixers: sums scaled by a running exponent.
-
-    Elementwise over the channels, after the tokens ``t' < t`` (``lambda = 0`` without decay)::
-
-        a = sum_t' exp(-(t-1-t') lambda + K_t' - p) V_t',   b = the same without V_t'
-
-    with the running exponent ``p`` (``-inf`` before the first token): RWKV's stable WKV state.
-
-    Attributes:
-        a: ``(B, d)`` scaled numerator.
-        b: ``(B, d)`` scaled denominator.
-        p: ``(B, d)`` running exponent.
-        position: number of tokens consumed.
-    """
-
-    a: torch.Tensor
-    b: torch.Tensor
-    p: torch.Tensor
-    position: int = 0
-
-    @classmethod
-    def empty(
-        cls, batch_size: int, d: int, *, device: torch.device | str, dtype: torch.dtype
-    ) -> RunningSums:
-        """The state before any token; float16/bfloat16 states are kept in float32."""
-        z = torch.zeros(batch_size, d, device=device, dtype=compute_dtype(dtype))
-        return cls(a=z, b=z.clone(), p=torch.full_like(z, float("-inf")))
-
-    @classmethod
-    def from_tokens(cls, z: torch.Tensor, v: torch.Tensor) -> RunningSums:
-        """The state after ``T`` tokens, from their exponents and values in one reduction.
-
-        ``z_t' = K_t' - (T-1-t') lambda`` and ``V_t'``, ``(B, T, d)`` each, in the state dtype:
-        the state :meth:`fold` reaches after the ``T`` tokens (:func:`shifted_sums`).
-        """
-        p, a, b = shifted_sums(z, v)
-        return cls(a=a, b=b, p=p, position=z.shape[1])
-
-    def fold(self, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor | None = None) -> None:
-        """Add token ``(K_t, V_t)`` (``(B, d)`` each), first decaying the past by ``lambda``.
-
-        ``p' = max(p - lambda, K_t)``, ``a' = e^{p-lambda-p'} a + e^{K_t-p'} V_t``,
-        ``b' = e^{p-lambda-p'} b + e^{K_t-p'}``.
-        """
-        carried = self.p if decay is None else self.p - decay
-        p_new = torch.maximum(carried, k)
-        e_old, e_new = torch.exp(carried - p_new), torch.exp(k - p_new)
-        self.a = e_old * self.a + e_new * v
-        self.b = e_old * self.b + e_new
-        self.p = p_new
-        self.position += 1
 
 
 class AFTMixer(SequenceMixer):
