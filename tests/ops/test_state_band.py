@@ -502,3 +502,33 @@ def test_aft_local_band_is_window_wide_with_a_state():
     cu = torch.tensor([0, 3], dtype=torch.int32)
     with pytest.raises(ValueError, match="one row per in-document position, 2 rows"):
         aft_local_band(q[:1], k[:1], v[:1], wb[:2], S, causal=True, cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("window", [0, 1, 2, 30], ids=["simple", "diagonal", "2", "wider_than_T"])
+def test_aft_local_chunked_at_edge_windows(window):
+    """Window 0 (AFT-simple: all of the past in ``gone``), 1 (no ring), and wider than ``T``."""
+    q, k, v, w = CASES[0].inputs(2, T, scale=3.0)
+    mask = _mask(2, T)
+    y1, s1 = aft_local(q, k, v, w, window, causal=True, padding_mask=mask, return_state=True)
+    ys, st = [], None
+    for a, b in _bounds(SPLITS["uneven"]):
+        y, st = aft_local(q[:, a:b], k[:, a:b], v[:, a:b], w, window, causal=True,
+                          padding_mask=mask[:, a:b], initial_state=st, return_state=True)
+        ys.append(y)
+    assert_close("y", torch.cat(ys, 1), y1, atol=1e-12, rtol=1e-12)
+    _assert_states_close(st, s1, 1e-12)
+    assert st.k.shape[1] == max(window - 1, 0)
+
+
+@pytest.mark.parametrize("s", [1, 2, 30])
+def test_aft_conv_chunked_at_edge_kernel_sizes(s):
+    q, k, v, _ = CASES[2].inputs(2, T, scale=3.0)
+    w = torch.randn(H, s, dtype=F64)
+    y1, s1 = aft_conv(q, k, v, w, causal=True, return_state=True)
+    ys, st = [], None
+    for a, b in _bounds(SPLITS["uneven"]):
+        y, st = aft_conv(q[:, a:b], k[:, a:b], v[:, a:b], w, causal=True, initial_state=st,
+                         return_state=True)
+        ys.append(y)
+    assert_close("y", torch.cat(ys, 1), y1, atol=1e-12, rtol=1e-12)
+    _assert_states_close(st, s1, 1e-12)
