@@ -133,8 +133,12 @@ class RunningSums:
         self.position += 1
 
     def log_sum(self) -> torch.Tensor:
-        """``L = p + log b``, ``(B, *Fk)``: ``-inf`` for the empty state."""
-        return self.p + torch.log(self.b)
+        """``L = p + log b``, ``(B, *Fk)``: ``-inf`` for the empty state (``b = 0``), with finite
+        gradients there (0)."""
+        tiny = torch.finfo(self.b.dtype).tiny
+        empty = self.b <= 0
+        L = self.p.masked_fill(empty, 0.0) + torch.log(self.b.clamp_min(tiny))
+        return torch.where(empty, float("-inf"), L)
 
     def average(self) -> torch.Tensor:
         """``A = a / b``, ``(B, *F)``: a convex combination of the values seen, 0 when empty."""
