@@ -470,18 +470,8 @@ def test_gradients_flow_through_the_cache(name, kw):
     assert (through - cut_off).abs().max() > 1e-6, "detach() cut nothing"
 
 
-class _InPlaceCumsum(SequenceMixer):
-    """``y_t = W sum_s x_s`` whose step adds into its state in place (no ``_prefill``)."""
-
-    def __init__(self, **common) -> None:
-        super().__init__(**common)
-        self.proj = nn.Linear(self.d_model, self.d_model)
-
-    def _forward(self, x, padding_mask):
-        return self.proj(x.cumsum(1))
-
-    def _init_state(self, batch_size, device, dtype):
-        return torch.zeros(batch_size, self.d_model, device=device, dtype=dtype)
+class _InPlaceCumsum(_Cumsum):
+    """:class:`_Cumsum` whose step adds into its state in place (no ``_prefill`` either)."""
 
     def _step(self, x, state):
         state.add_(x)  # the projection saved the previous step's state for its backward
