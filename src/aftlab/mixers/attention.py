@@ -241,10 +241,10 @@ class MultiHeadAttention(SequenceMixer):
 
     # ------------------------------------------------------------------ pieces
     def _split(
-        self, qkv: torch.Tensor, pos: torch.Tensor
+        self, qkv: torch.Tensor, pos: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``qkv: (B, T, 3 H m)`` -> ``Q, K, V: (B, H, T, m)``; rotary at positions ``pos (T,)``.
-        """
+        """``qkv: (B, T, 3 H m)`` -> ``Q, K, V: (B, H, T, m)``; rotary at positions ``pos (T,)``
+        (unused without rotary)."""
         B, T, _ = qkv.shape
         q, k, v = (
             t.view(B, T, self.n_heads, self.head_dim).transpose(1, 2) for t in qkv.chunk(3, dim=-1)
@@ -340,10 +340,11 @@ class MultiHeadAttention(SequenceMixer):
             return out
         docs = [(a, b) for a, b in zip(offsets, offsets[1:], strict=False) if b > a]
         a = docs[-1][0]
-        return out, self._cache_after(state if a == docs[0][0] else None, qkv[:, a:], pos[a:])
+        first = state if a == docs[0][0] else None
+        return out, self._cache_after(first, qkv[:, a:], None if pos is None else pos[a:])
 
     def _cache_after(
-        self, state: KVCache | None, qkv: torch.Tensor, pos: torch.Tensor
+        self, state: KVCache | None, qkv: torch.Tensor, pos: torch.Tensor | None
     ) -> KVCache:
         """The :class:`KVCache` of ``state``'s tokens, then those of ``qkv: (B, T, 3 H m)``
         (rotated at ``pos``); non-finite keys are kept, as stepping keeps them."""
@@ -360,21 +361,21 @@ class MultiHeadAttention(SequenceMixer):
         padding_mask: torch.Tensor | None,
         cache: KVCache | None = None,
         offsets: list[int] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """:meth:`_forward`'s output, after ``cache`` and for the documents at ``offsets``.
 
         Returns ``(out, qkv, pos)``: the output ``(B, T, d)``, the projections
-        ``qkv: (B, T, 3 H m)`` it came from and the tokens' positions ``pos: (T,)`` (rotary).
-        Without a cache or documents the mask is the padding's (or ``is_causal``); otherwise
-        ``padding_mask`` is None (the public ``forward`` refuses it) and the mask is explicit:
-        :meth:`_chunk_mask`.
+        ``qkv: (B, T, 3 H m)`` it came from and the tokens' positions ``pos: (T,)`` (rotary;
+        None for a mixer without rotary and without documents). Without a cache or documents
+        the mask is the padding's (or ``is_causal``); otherwise ``padding_mask`` is None (the
+        public ``forward`` refuses it) and the mask is explicit: :meth:`_chunk_mask`.
         """
         T, L = x.shape[1], 0 if cache is None else cache.length
         qkv = self.qkv(x)
         # a NaN or inf reaches only the outputs that see it (_nan_outputs)
         bad = _nonfinite_rows(qkv)
         if offsets is None or not T:
-            doc, pos = None, torch.arange(L, L + T, device=x.device)
+            doc, pos = None, torch.arange(L, L + T, device=x.device) if self.rotary else None
         else:
             doc, pos = document_positions(offsets, x.device, start=L)
         q, k, v = self._split(torch.nan_to_num(qkv, nan=0.0, posinf=0.0, neginf=0.0), pos)
@@ -433,7 +434,7 @@ class MultiHeadAttention(SequenceMixer):
         Returns:
             ``(y, state)`` with ``y: (B, d)``.
         """
-        pos = torch.full((1,), state.length, device=x.device)
+        pos = torch.full((1,), state.length, device=x.device) if self.rotary else None
         q, k, v = self._split(self.qkv(x[:, None, :]), pos)
         state.append(k, v)
         L = state.length

@@ -9,14 +9,14 @@ logits are ``h E^T`` with a tied head (``config.tie_embeddings``). Initialisatio
 :func:`init_weights` (``config.init``). Decoding and ``generate``:
 :mod:`aftlab.models.generation`; loading GPT-2 weights: :mod:`aftlab.models.gpt2`.
 
-Validation: the models' entry points (``forward``, ``prefill``, ``step``, ``generate``) check
-their token ids and padding mask (:func:`~aftlab._checks.check_tokens`: the id range only on
-CPU tensors outside ``torch.compile``, so that no forward pass syncs the host), ``prefill`` the
-length and ``step`` the cache; below them ``prefill`` and ``step`` run the blocks' and mixers'
-hooks, unchecked. ``forward`` calls each block as a module (FSDP's hooks), and a block and its
-mixer (public modules too) check shapes and dtypes; the mixer calls its op without the op's
-checks. Before anything is built, each model checks that its parameters fit in memory
-(:func:`~aftlab.models.memory.check_model_fits`).
+Validation: the models' entry points (``forward``, ``prefill``, ``step``, ``generate``) check their
+token ids and padding mask (:func:`~aftlab._checks.check_tokens`: the id range only on CPU tensors
+outside ``torch.compile``, so that no forward pass syncs the host), ``prefill`` the length and the
+cache it continues, ``step`` the cache, ``forward`` its ``cu_seqlens`` (packed documents); below
+them ``prefill`` and ``step`` run the blocks' and mixers' hooks, unchecked. ``forward`` calls each
+block as a module (FSDP's hooks), and a block and its mixer (public modules too) check shapes and
+dtypes; the mixer calls its op without the op's checks. Before anything is built, each model checks
+that its parameters fit in memory (:func:`~aftlab.models.memory.check_model_fits`).
 """
 
 from __future__ import annotations
