@@ -46,7 +46,8 @@ def test_window_beyond_length_is_aft_full():
 @pytest.mark.parametrize("window", [0, 1, 3, 20, 64])
 @pytest.mark.parametrize("key_scale", [1.0, 1e3])
 def test_step_matches_forward_for_every_window(window, key_scale):
-    """Also with huge keys; the state keeps a ring buffer of the last s tokens only."""
+    """Also with huge keys; the state (a BandState of window min(s, T_max)) keeps a ring of
+    the last min(s, T_max) - 1 keys only."""
     m = perturb_parameters(_mixer(window=window, bias_rank=None if window == 3 else 4), 5.0)
     with torch.no_grad():
         m.to_k.weight.mul_(key_scale)
@@ -54,7 +55,9 @@ def test_step_matches_forward_for_every_window(window, key_scale):
         y = m(x)
         steps, state = decode(m, x)
     assert torch.isfinite(y).all()
-    assert state.k.shape[1] == min(window, 20)
+    r = max(min(window, 20) - 1, 0)
+    assert state.k.shape == state.v.shape == (2, r, 6) and state.valid.shape == (2, r)
+    assert state.position == 20 and state.gone.position == 20 - r
     assert_close("step-by-step", steps, y)
 
 

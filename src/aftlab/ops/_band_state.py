@@ -14,9 +14,9 @@ A query of the chunk is ``>= n >= s`` positions after the virtual token, outside
 it weighs it with bias 0: ``e^L A = sum_{t' gone} e^{K_t'} V_t'``, the term of the keys that
 left the window, exactly. The ring keys sit inside the band at their own offsets and get their
 biases. The next state (:func:`state_after`): the ring is the last ``r`` of ring + chunk, and
-``gone`` the old one merged with the tokens that left the window, one shifted log-sum-exp
-reduction over the virtual token and those tokens. Everything is autograd: the gradient flows
-into and out of the states.
+``gone`` the old one merged with the shifted sums of the tokens that left the window, its
+``(p, a, b)`` directly (as the scan ops merge theirs: ``p`` stays the running maximum).
+Everything is autograd: the gradient flows into and out of the states.
 
 Also here: the checks of the state keywords and of a state, the loop over packed documents
 (:mod:`aftlab.ops._packed`), and the float64 references' prepended inputs.
@@ -33,6 +33,7 @@ import torch
 from .._checks import check_positive_int, check_tensor
 from ._numerics import compute_dtype, finite_shift
 from ._packed import check_cu_seqlens, run_documents
+from ._scan_state import continue_running_sums
 from .state import BandState, RunningSums
 
 __all__ = [
@@ -175,9 +176,11 @@ def state_after(
     """The state after a chunk ``k (B, T, *Fk)``, ``v (B, T, *F)`` (in the state's dtype).
 
     Of ring + chunk (``r + T`` tokens, oldest first) the last ``r`` form the new ring and the
-    first ``T`` leave the window: ``gone`` becomes the shifted sums over the old ``gone`` (its
-    virtual token, ``log_sum`` and ``average``: an exact log-sum-exp merge) and those ``T``.
-    ``position`` advances by ``T`` (padded positions count).
+    first ``T`` leave the window: ``gone`` becomes the old ``gone`` merged with the shifted sums
+    of those ``T`` (:func:`~aftlab.ops._scan_state.continue_running_sums` without decay:
+    ``(p, a, b)`` merged directly, so ``p`` stays the running maximum of the keys gone, as a
+    decoding step's fold leaves it, whatever the chunking). ``position`` advances by ``T``
+    (padded positions count).
     """
     T = k.shape[1]
     if T == 0:
@@ -185,14 +188,10 @@ def state_after(
     r = state.k.shape[1]
     ck, cv = torch.cat([state.k, k], 1), torch.cat([state.v, v], 1)
     cm = torch.cat([state.valid, _mask_of(padding_mask, k)], 1)
-    L, A, ok = _gone_token(state.gone)
     position = state.position + T
-    gone = _masked_sums(
-        torch.cat([L, ck[:, :T]], 1),
-        torch.cat([A, cv[:, :T]], 1),
-        torch.cat([ok, cm[:, :T]], 1),
-        max(position - r, 0),
-    )
+    left = _masked_sums(ck[:, :T], cv[:, :T], cm[:, :T], position)
+    gone = continue_running_sums(state.gone, left, None, T)
+    gone.position = max(position - r, 0)
     return BandState(gone=gone, k=ck[:, T:], v=cv[:, T:], valid=cm[:, T:], position=position)
 
 

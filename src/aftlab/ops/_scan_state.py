@@ -157,15 +157,17 @@ def run_scan(
     initial_state: object,
     return_state: bool,
     cu_seqlens: object,
+    check_state: bool = True,
 ):
     """``core`` continued from ``initial_state``, returning ``y`` or ``(y, state)``, over one
     sequence or the documents of ``cu_seqlens`` (:mod:`aftlab.ops._packed`).
 
     ``q, k, v: (B, T, d)`` and ``padding_mask`` are validated by the caller; ``initial_state``
-    and ``cu_seqlens`` here. The state is kept in the compute dtype (float32 for
-    float16/bfloat16, else the input dtype); its ``position`` advances by ``T``.
+    (unless ``check_state=False``: a mixer's caller has checked it) and ``cu_seqlens`` here.
+    The state is kept in the compute dtype (float32 for float16/bfloat16, else the input
+    dtype); its ``position`` advances by ``T``.
     """
-    if initial_state is not None:
+    if initial_state is not None and check_state:
         check_running_sums(where, "initial_state", initial_state, q)
     if cu_seqlens is None or q.shape[1] == 0:
         if cu_seqlens is not None:

@@ -104,9 +104,10 @@ def aft_decay(
 
 
 def _aft_decay(q, k, v, decay, bonus, *, padding_mask, initial_state=None, return_state=False,
-               cu_seqlens=None):
+               cu_seqlens=None, check_state=True):
     """:func:`aft_decay` without the checks of ``q, k, v, decay, bonus`` (the mixer's call: its
-    input is validated); the state and ``cu_seqlens`` are checked."""
+    input is validated); the state (unless ``check_state=False``: the mixer's caller checked
+    it) and ``cu_seqlens`` are checked."""
     if initial_state is not None or return_state or cu_seqlens is not None:
         def core(q, k, v, mask):
             return _aft_decay(q, k, v, decay, bonus, padding_mask=mask)
@@ -114,6 +115,7 @@ def _aft_decay(q, k, v, decay, bonus, *, padding_mask, initial_state=None, retur
         return run_scan(
             "aft_decay", core, q, k, v, decay, padding_mask=padding_mask,
             initial_state=initial_state, return_state=return_state, cu_seqlens=cu_seqlens,
+            check_state=check_state,
         )
     if kernels.enabled(q, decay, bonus):
         return kernels.scan.aft_decay(q, k, v, decay, bonus, padding_mask=padding_mask)

@@ -164,7 +164,8 @@ def _check_state(where: str, state: object, q: torch.Tensor, window: int) -> Non
 
 
 def _local_chunk(q, k, v, rows, window: int, a: int, b: int, state, want: bool, padding_mask):
-    """Causal AFT-local on positions ``a .. b - 1`` continuing ``state`` (None: empty).
+    """Causal AFT-local on positions ``a .. b - 1`` continuing ``state`` (None: empty), unchecked
+    (also the mixer's call).
 
     ``rows`` ``(b - a, window)`` are the band rows of those positions, ``window`` wide (the
     state's ring supplies the keys before the chunk); prepended positions get zero rows.

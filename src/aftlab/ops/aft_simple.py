@@ -78,10 +78,10 @@ def aft_simple(
 
 
 def _aft_simple(q, k, v, *, causal: bool, padding_mask, initial_state=None, return_state=False,
-                cu_seqlens=None):
+                cu_seqlens=None, check_state=True):
     """:func:`aft_simple` without the checks of ``q, k, v`` (the mixer's call: its input is
-    validated); the state and ``cu_seqlens`` are checked (attributes, and ``cu_seqlens`` read on
-    the host)."""
+    validated); the state (unless ``check_state=False``: the mixer's caller checked it) and
+    ``cu_seqlens`` are checked (attributes, and ``cu_seqlens`` read on the host)."""
     if initial_state is not None or return_state or cu_seqlens is not None:
         if not causal:
             given = {"initial_state": initial_state is not None, "return_state": return_state,
@@ -94,6 +94,7 @@ def _aft_simple(q, k, v, *, causal: bool, padding_mask, initial_state=None, retu
         return run_scan(
             "aft_simple", _causal_core, q, k, v, None, padding_mask=padding_mask,
             initial_state=initial_state, return_state=return_state, cu_seqlens=cu_seqlens,
+            check_state=check_state,
         )
     if kernels.enabled(q):
         return kernels.scan.aft_simple(q, k, v, causal=causal, padding_mask=padding_mask)
