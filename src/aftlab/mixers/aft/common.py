@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...ops._band_state import state_after
+from ...ops._scan_state import continue_running_sums
 from ...ops.state import BandState, RunningSums, shifted_sums
 from ..base import SequenceMixer, mark_residual_projection
 
@@ -123,20 +123,29 @@ def band_step(
 
     (``m`` is finite: key ``t`` is present; every exponent is ``<= 0``). The scores are formed
     in the dtype of ``state.k`` promoted with ``bias``'s (aft-conv's float64 log domain); the
-    sums in the values' dtype. The state after is the op's (:func:`state_after` on the one
-    token): the oldest band key leaves the ring for ``gone``, field for field what a chunk of
-    one token leaves.
+    sums in the values' dtype. The state after is the op's
+    (:func:`~aftlab.ops._band_state.state_after` on the one token, field for field): the oldest
+    band key leaves the ring and ``gone`` takes it (:func:`continue_running_sums`: ``p`` stays
+    the running maximum).
     """
     B, r = state.k.shape[:2]
     keys = torch.cat([state.k, k[:, None]], 1)  # (B, r + 1, *Fk)
     vals = torch.cat([state.v, v[:, None]], 1)
     seen = torch.cat([state.valid, state.valid.new_ones(B, 1)], 1)
-    seen = seen.view(B, r + 1, *(1,) * (keys.dim() - 2))
-    z = (keys + bias).masked_fill(~seen, float("-inf"))
+    mask = seen.view(B, r + 1, *(1,) * (keys.dim() - 2))
+    z = (keys + bias).masked_fill(~mask, float("-inf"))
     gone = state.gone
     m = torch.maximum(z.amax(1), gone.p).detach()  # any shift is exact: keep it out of the graph
     e = torch.exp(z - m[:, None]).to(vals.dtype)
     old = torch.exp(gone.p - m).to(vals.dtype)
-    num = (e * vals).sum(1) + old * gone.a
-    den = e.sum(1) + old * gone.b
-    return num / den, state_after(state, k[:, None], v[:, None], None)
+    avg = ((e * vals).sum(1) + old * gone.a) / (e.sum(1) + old * gone.b)
+    # the key leaving the window, as one token's shifted sums (p = K, a = V, b = 1; none if empty)
+    ok, k0 = mask[:, 0], keys[:, 0]
+    left = RunningSums(
+        a=torch.where(ok, vals[:, 0], 0.0), b=torch.where(ok, torch.ones_like(k0), 0.0),
+        p=torch.where(ok, k0, float("-inf")),
+    )
+    position = state.position + 1
+    gone = continue_running_sums(gone, left, None, 1)
+    gone.position = max(position - r, 0)
+    return avg, BandState(gone, keys[:, 1:], vals[:, 1:], seen[:, 1:], position)
