@@ -141,6 +141,16 @@ def test_relative_bias_step_and_prefill_match_forward(window):
     assert_close("decoding after prefill", tail, y[:, 17:])
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_relative_bias_ignores_right_padding(causal):
+    """Padded keys count for nothing: the real rows equal the forward of the unpadded prefix."""
+    m = _relative(causal=causal, window=4)
+    x = torch.randn(2, 11, 6, dtype=torch.float64)
+    pm = torch.ones(2, 11, dtype=torch.bool)
+    pm[:, 7:] = False
+    assert_close("padded", m(x, padding_mask=pm)[:, :7], m(x[:, :7]))
+
+
 def test_relative_bias_is_causal_and_trains_from_zero():
     m = build_mixer("aft-local", d_model=6, causal=True, window=4, relative_bias=True).double()
     assert m.rel_bias.abs().max() == 0  # starts as AFT-simple, like PositionBias
