@@ -1,10 +1,12 @@
-"""The ``aft-local`` mixer: AFT-local with the factorised position bias ``w = U V^T``, band only."""
+"""The ``aft-local`` mixer: AFT-local with the factorised position bias ``w = U V^T`` (or a
+relative one, learned per offset ``t' - t``), band only."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from ..._checks import check_positive_int
 from ...ops.aft_local import _aft_local_band, band_geometry
@@ -37,33 +39,71 @@ class AFTLocal(AFTMixer):
 
     Args:
         window: ``s >= 0`` (the paper's best on enwik8: 32). 0 is AFT-simple.
-        bias_rank: ``d'`` of ``w = U V^T``; ``None`` for a full ``T_max x T_max`` bias.
-        **common: see :class:`~aftlab.mixers.SequenceMixer`; ``max_seq_len`` is required.
+        bias_rank: ``d'`` of ``w = U V^T``; ``None`` for a full ``T_max x T_max`` bias. Ignored
+            with ``relative_bias``.
+        relative_bias: if True, ``w_{t,t'} = r_{t' - t}`` depends on the offset only (a Toeplitz
+            band): ``r`` is a parameter ``rel_bias`` of ``s`` entries (causal: offsets
+            ``-(s - 1) .. 0``) or ``2s - 1`` (offsets ``-(s - 1) .. s - 1``), ``rel_bias[j]`` the
+            bias of offset ``j - (s - 1)``, shared by the channels and initialised to 0. The
+            mixer then has no ``T_max``: it is not length-limited and needs no ``max_seq_len``.
+            False (default): the paper's absolute ``w`` (:class:`PositionBias`).
+        **common: see :class:`~aftlab.mixers.SequenceMixer`; ``max_seq_len`` is required unless
+            ``relative_bias``.
 
-    Only the band ``(T, 2s - 1)`` of ``w`` is ever formed: ``O(T s d')``. Decoding (causal) keeps
-    running sums of the keys outside the window plus a ring buffer of the last ``s``: ``O(s d)``
-    per token.
+    Only the band ``(T, 2s - 1)`` of ``w`` is ever formed: ``O(T s d')`` (relative: the row of
+    offsets repeated, no copy). Decoding (causal) keeps running sums of the keys outside the
+    window plus a ring buffer of the last ``s``: ``O(s d)`` per token.
     """
 
+    #: the default (absolute bias); an instance with ``relative_bias`` sets False
     length_limited = True
     test_options = {"window": 3}
 
-    def __init__(self, *, window: int = 32, bias_rank: int | None = 64, **common) -> None:
+    def __init__(
+        self,
+        *,
+        window: int = 32,
+        bias_rank: int | None = 64,
+        relative_bias: bool = False,
+        **common,
+    ) -> None:
         super().__init__(**common)
         where = type(self).__name__
-        T_max = require_max_seq_len(where, self.max_seq_len)
         self.window = check_positive_int(where, "window", window, allow_zero=True)
+        if not isinstance(relative_bias, bool):
+            raise TypeError(
+                f"{where}: 'relative_bias' must be a bool, got {type(relative_bias).__name__}"
+            )
+        self.relative_bias = relative_bias
+        self.length_limited = not relative_bias
+        if relative_bias:
+            n_offsets = self.window if self.causal else max(2 * self.window - 1, 0)
+            self.rel_bias = nn.Parameter(torch.zeros(n_offsets))
+            return
+        T_max = require_max_seq_len(where, self.max_seq_len)
         if bias_rank is not None:
             check_positive_int(where, "bias_rank", bias_rank)
         self.pos_bias = PositionBias(T_max, rank=bias_rank)
 
+    @torch.no_grad()
     def reset_parameters(self) -> None:
-        """The init hook: the position bias starts at 0 (:class:`PositionBias`)."""
-        self.pos_bias.reset_parameters()
+        """The init hook: the position bias starts at 0 (:class:`PositionBias`, or ``rel_bias``)."""
+        if self.relative_bias:
+            self.rel_bias.zero_()
+        else:
+            self.pos_bias.reset_parameters()
 
     def band(self, T: int) -> torch.Tensor:
-        """``w_band (T, W)``, ``w_band[t, j] = w[t, t + j - (s - 1)]`` (0 outside ``[0, T)``)."""
+        """``w_band (T, W)``, ``w_band[t, j] = w[t, t + j - (s - 1)]`` (0 outside ``[0, T)``).
+
+        Relative: ``w_band[t, j] = rel_bias[window - s + j]`` for every row (a view of the
+        offsets, ``s = min(window, T)``; entries whose key falls outside ``[0, T)`` keep their
+        offset's bias, which the ops never read).
+        """
         geo = band_geometry(T, max(self.window, 1), causal=self.causal)
+        if self.relative_bias:
+            first = self.window - (geo.beta + 1)
+            return self.rel_bias[first : first + geo.W].expand(T, geo.W)
         pb, dev = self.pos_bias, self.to_v.weight.device
         offsets = torch.arange(geo.W, device=dev)[None] - geo.beta
         cols = torch.arange(T, device=dev)[:, None] + offsets
@@ -113,14 +153,23 @@ class AFTLocal(AFTMixer):
         state.t = T
         return state
 
+    def bias_entries(self, t: int, cols: torch.Tensor) -> torch.Tensor:
+        """``w_{t, cols}``: ``(len(cols),)`` for keys ``cols`` inside the window of query ``t``
+        (decoding): :meth:`PositionBias.entries`, or ``rel_bias[cols - t + s - 1]``."""
+        if self.relative_bias:
+            return self.rel_bias[cols - t + self.window - 1]
+        return self.pos_bias.entries(t, cols)
+
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", window={self.window}"
+        rel = ", relative_bias=True" if self.relative_bias else ""
+        return super().extra_repr() + f", window={self.window}{rel}"
 
     def _init_state(
         self, batch_size: int, device: torch.device | str, dtype: torch.dtype
     ) -> AFTLocalState:
-        """Nothing outside the window (``p = -inf``), an empty ring buffer of ``min(s, T_max)``."""
-        s = min(self.window, self.max_seq_len)
+        """Nothing outside the window (``p = -inf``), an empty ring buffer of ``min(s, T_max)``
+        (``s`` with ``relative_bias``: no ``T_max``)."""
+        s = self.window if self.relative_bias else min(self.window, self.max_seq_len)
         gone = RunningSums.empty(batch_size, self.d_model, device=device, dtype=dtype)
         buf = torch.zeros(batch_size, s, self.d_model, device=device, dtype=gone.a.dtype)
         return AFTLocalState(gone, buf, buf.clone())
@@ -145,7 +194,7 @@ class AFTLocal(AFTMixer):
             pos = torch.arange(t - s + 1, t + 1, device=k.device)  # band keys, oldest first
             seen = pos >= 0
             pos = pos.clamp(min=0)
-            w = self.pos_bias.entries(t, pos).to(cd).masked_fill(~seen, float("-inf"))
+            w = self.bias_entries(t, pos).to(cd).masked_fill(~seen, float("-inf"))
             sc = state.k[:, pos % s] + w[None, :, None]  # (B, s, d): K_t' + w_{t,t'}
             m = torch.maximum(sc.amax(1), gone.p)  # per-(t, c) max over every key t' <= t
             e = torch.exp(sc - m[:, None])
