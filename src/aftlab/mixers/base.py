@@ -190,8 +190,10 @@ class SequenceMixer(nn.Module):
     #: registry name, set by :func:`aftlab.mixers.register_mixer`
     name: ClassVar[str] = ""
     #: True for mixers that cannot see past ``max_seq_len`` positions, forward or decoding
-    #: (a ``T_max x T_max`` position bias); callers such as ``generate`` check it up front.
-    length_limited: ClassVar[bool] = False
+    #: (a ``T_max x T_max`` position bias); callers such as ``generate`` check it up front. The
+    #: class's value is its default build's; an instance whose options lift the limit sets its
+    #: own (``aft-local`` with ``relative_bias``), so callers read it from the instance.
+    length_limited: bool = False
     #: options a model fills from its config besides :data:`COMMON_ARGS`, by name (attention:
     #: ``("head_dim", "scaled", "rotary")``; ``aft-decay``: ``("layer_idx", "n_layers")``); what
     #: each name means: :data:`aftlab.models.blocks.CONFIG_OPTIONS`

@@ -1,8 +1,10 @@
-"""The ``aft-local`` mixer: AFT-local with the factorised position bias ``w = U V^T``, band only."""
+"""The ``aft-local`` mixer: AFT-local with the factorised position bias ``w = U V^T`` (or a
+relative one, learned per offset ``t' - t``), band only."""
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from ..._checks import check_positive_int
 from ...ops.aft_local import _aft_local_band, _local_chunk, band_geometry
@@ -20,46 +22,87 @@ class AFTLocal(AFTMixer):
 
     Args:
         window: ``s >= 0`` (the paper's best on enwik8: 32). 0 is AFT-simple.
-        bias_rank: ``d'`` of ``w = U V^T``; ``None`` for a full ``T_max x T_max`` bias.
-        **common: see :class:`~aftlab.mixers.SequenceMixer`; ``max_seq_len`` is required.
+        bias_rank: ``d'`` of ``w = U V^T``; ``None`` for a full ``T_max x T_max`` bias. Ignored
+            with ``relative_bias``.
+        relative_bias: if True, ``w_{t,t'} = r_{t' - t}`` depends on the offset only (a Toeplitz
+            band): ``r`` is a parameter ``rel_bias`` of ``s`` entries (causal: offsets
+            ``-(s - 1) .. 0``) or ``2s - 1`` (offsets ``-(s - 1) .. s - 1``), ``rel_bias[j]`` the
+            bias of offset ``j - (s - 1)``, shared by the channels and initialised to 0. The
+            mixer then has no ``T_max``: it is not length-limited and needs no ``max_seq_len``.
+            False (default): the paper's absolute ``w`` (:class:`PositionBias`).
+        **common: see :class:`~aftlab.mixers.SequenceMixer`; ``max_seq_len`` is required unless
+            ``relative_bias``.
 
-    Only the band ``(T, 2s - 1)`` of ``w`` is ever formed: ``O(T s d')``. The decoding state
-    (causal) is the op's :class:`~aftlab.ops.state.BandState` with the window
-    ``s' = min(s, T_max)`` (no two positions below ``T_max`` are farther apart): the ring of the
-    last ``s' - 1`` keys and values and the running sums of the keys that left the window;
-    ``O(s d)`` per token. A prefill continuing a state is one op call with its band rows at
-    the absolute positions ``state.position ..``.
+    Only the band ``(T, 2s - 1)`` of ``w`` is ever formed: ``O(T s d')`` (relative: the row of
+    offsets repeated, no copy). The decoding state (causal) is the op's
+    :class:`~aftlab.ops.state.BandState` with the window :attr:`state_window` (``min(s, T_max)``:
+    no two positions below ``T_max`` are farther apart; ``s`` with ``relative_bias``): the ring
+    of the last ``state_window - 1`` keys and values and the running sums of the keys that left
+    the window; ``O(s d)`` per token. A prefill continuing a state is one op call with its band
+    rows at the absolute positions ``state.position ..`` (relative: the same rows anywhere).
     """
 
+    #: the default (absolute bias); an instance with ``relative_bias`` sets False
     length_limited = True
     test_options = {"window": 3}
 
-    def __init__(self, *, window: int = 32, bias_rank: int | None = 64, **common) -> None:
+    def __init__(
+        self,
+        *,
+        window: int = 32,
+        bias_rank: int | None = 64,
+        relative_bias: bool = False,
+        **common,
+    ) -> None:
         super().__init__(**common)
         where = type(self).__name__
-        T_max = require_max_seq_len(where, self.max_seq_len)
         self.window = check_positive_int(where, "window", window, allow_zero=True)
+        if not isinstance(relative_bias, bool):
+            raise TypeError(
+                f"{where}: 'relative_bias' must be a bool, got {type(relative_bias).__name__}"
+            )
+        self.relative_bias = relative_bias
+        self.length_limited = not relative_bias
+        if relative_bias:
+            n_offsets = self.window if self.causal else max(2 * self.window - 1, 0)
+            self.rel_bias = nn.Parameter(torch.zeros(n_offsets))
+            return
+        T_max = require_max_seq_len(where, self.max_seq_len)
         if bias_rank is not None:
             check_positive_int(where, "bias_rank", bias_rank)
         self.pos_bias = PositionBias(T_max, rank=bias_rank)
 
+    @torch.no_grad()
     def reset_parameters(self) -> None:
-        """The init hook: the position bias starts at 0 (:class:`PositionBias`)."""
-        self.pos_bias.reset_parameters()
+        """The init hook: the position bias starts at 0 (:class:`PositionBias`, or ``rel_bias``)."""
+        if self.relative_bias:
+            self.rel_bias.zero_()
+        else:
+            self.pos_bias.reset_parameters()
 
     @property
     def state_window(self) -> int:
-        """The window of the decoding state and of a continued prefill: ``min(s, T_max)``."""
-        return min(self.window, self.max_seq_len)
+        """The window of the decoding state and of a continued prefill: ``min(s, T_max)``
+        (``s`` with ``relative_bias``: no ``T_max``)."""
+        return self.window if self.relative_bias else min(self.window, self.max_seq_len)
 
     def band(self, T: int) -> torch.Tensor:
-        """``w_band (T, W)``, ``w_band[t, j] = w[t, t + j - (s - 1)]`` (0 outside ``[0, T)``)."""
+        """``w_band (T, W)``, ``w_band[t, j] = w[t, t + j - (s - 1)]`` (0 outside ``[0, T)``).
+
+        Relative: ``w_band[t, j] = rel_bias[window - s + j]`` for every row (a view of the
+        offsets, ``s = min(window, T)``; entries whose key falls outside ``[0, T)`` keep their
+        offset's bias, which the ops never read).
+        """
         geo = band_geometry(T, max(self.window, 1), causal=self.causal)
         return self.band_rows(0, T, geo.W, geo.beta)
 
     def band_rows(self, start: int, T: int, W: int, beta: int) -> torch.Tensor:
         """``(T, W)``: ``out[t, j] = w[start + t, start + t + j - beta]``, the band of the absolute
-        rows ``start .. start + T - 1``; 0 where the key falls outside ``[0, start + T)``."""
+        rows ``start .. start + T - 1``; 0 where the key falls outside ``[0, start + T)``.
+        Relative: the offsets ``j - beta`` of ``rel_bias`` in every row, whatever ``start``."""
+        if self.relative_bias:
+            first = self.window - (beta + 1)
+            return self.rel_bias[first : first + W].expand(T, W)
         pb, dev = self.pos_bias, self.to_v.weight.device
         n = start + T
         cols = torch.arange(start, n, device=dev)[:, None] + torch.arange(W, device=dev) - beta
@@ -89,7 +132,7 @@ class AFTLocal(AFTMixer):
         """``x: (B, T, d_model)`` with ``T <= T_max`` -> ``(B, T, d_model)``.
 
         With ``return_state``: one call of the causal op continuing ``state`` (None: the empty
-        one) at position ``t0 = state.position``, the band ``s' = min(s, T_max)`` wide with rows
+        one) at position ``t0 = state.position``, the band :attr:`state_window` wide with rows
         ``t0 .. t0 + T - 1`` (:meth:`band_rows`: the ring's keys get their biases), and the
         state after ``x``.
         """
@@ -109,8 +152,17 @@ class AFTLocal(AFTMixer):
         y, state = _local_chunk(q, k, v, rows, s, 0, T, state, True, None)
         return (self.output(y), state) if return_state else self.output(y)
 
+    def bias_entries(self, t: int, cols: torch.Tensor) -> torch.Tensor:
+        """``w_{t, cols}``: ``(len(cols),)`` for keys ``cols`` inside the window of query ``t``
+        (decoding): :meth:`PositionBias.entries` (keys before position 0, empty ring slots, get
+        ``w_{t,0}``: never read), or ``rel_bias[cols - t + s - 1]``."""
+        if self.relative_bias:
+            return self.rel_bias[cols - t + self.window - 1]
+        return self.pos_bias.entries(t, cols.clamp_min(0))
+
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", window={self.window}"
+        rel = ", relative_bias=True" if self.relative_bias else ""
+        return super().extra_repr() + f", window={self.window}{rel}"
 
     def _init_state(
         self, batch_size: int, device: torch.device | str, dtype: torch.dtype
@@ -131,8 +183,8 @@ class AFTLocal(AFTMixer):
         cd = state.k.dtype
         r = state.k.shape[1]
         if self.state_window:
-            cols = torch.arange(t - r, t + 1, device=x.device).clamp_min(0)
-            bias = self.pos_bias.entries(t, cols).to(cd)[:, None]  # (r + 1, 1)
+            cols = torch.arange(t - r, t + 1, device=x.device)
+            bias = self.bias_entries(t, cols).to(cd)[:, None]  # (r + 1, 1)
         else:  # window 0: the current key too has bias 0
             bias = k.new_zeros(1, 1, dtype=cd)
         avg, state = band_step(state, k.to(cd), v.to(cd), bias)
