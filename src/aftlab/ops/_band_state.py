@@ -192,7 +192,9 @@ def state_after(
     left = _masked_sums(ck[:, :T], cv[:, :T], cm[:, :T], position)
     gone = continue_running_sums(state.gone, left, None, T)
     gone.position = max(position - r, 0)
-    return BandState(gone=gone, k=ck[:, T:], v=cv[:, T:], valid=cm[:, T:], position=position)
+    # the ring copied out: a view would keep the whole ring + chunk buffer alive with the state
+    ring = (x[:, T:].clone() for x in (ck, cv, cm))
+    return BandState(gone, *ring, position=position)
 
 
 #: ``call(q, k, v, padding_mask, n)``: the stateless causal op on a sequence whose first ``n``

@@ -129,23 +129,35 @@ def band_step(
     the running maximum).
     """
     B, r = state.k.shape[:2]
-    keys = torch.cat([state.k, k[:, None]], 1)  # (B, r + 1, *Fk)
-    vals = torch.cat([state.v, v[:, None]], 1)
-    seen = torch.cat([state.valid, state.valid.new_ones(B, 1)], 1)
-    mask = seen.view(B, r + 1, *(1,) * (keys.dim() - 2))
-    z = (keys + bias).masked_fill(~mask, float("-inf"))
     gone = state.gone
-    m = torch.maximum(z.amax(1), gone.p).detach()  # any shift is exact: keep it out of the graph
-    e = torch.exp(z - m[:, None]).to(vals.dtype)
-    old = torch.exp(gone.p - m).to(vals.dtype)
-    avg = ((e * vals).sum(1) + old * gone.a) / (e.sum(1) + old * gone.b)
-    # the key leaving the window, as one token's shifted sums (p = K, a = V, b = 1; none if empty)
-    ok, k0 = mask[:, 0], keys[:, 0]
+    z = (state.k + bias[:r]).masked_fill(~_slots(state.valid, state.k), float("-inf"))
+    z_t = k + bias[r]  # (B, *Fk): key t, always present
+    m = torch.maximum(z_t, gone.p)
+    if r:
+        m = torch.maximum(m, z.amax(1))
+    m = m.detach()  # any shift is exact: keep it out of the graph
+    e = torch.exp(z - m[:, None]).to(v.dtype)
+    e_t, old = (torch.exp(u - m).to(v.dtype) for u in (z_t, gone.p))
+    avg = ((e * state.v).sum(1) + e_t * v + old * gone.a) / (e.sum(1) + e_t + old * gone.b)
+    # the key leaving the window (the ring's oldest; t itself without a ring), as one token's
+    # shifted sums: p = K, a = V, b = 1 (nothing where its slot is empty)
+    if r:
+        k0, v0, ok = state.k[:, 0], state.v[:, 0], _slots(state.valid[:, :1], state.k)[:, 0]
+        ring = [torch.cat([x[:, 1:], y[:, None]], 1) for x, y in
+                ((state.k, k), (state.v, v), (state.valid, state.valid.new_ones(B)))]
+    else:
+        k0, v0, ok = k, v, torch.ones((), dtype=torch.bool, device=k.device)
+        ring = [state.k, state.v, state.valid]
     left = RunningSums(
-        a=torch.where(ok, vals[:, 0], 0.0), b=torch.where(ok, torch.ones_like(k0), 0.0),
+        a=torch.where(ok, v0, 0.0), b=torch.where(ok, torch.ones_like(k0), 0.0),
         p=torch.where(ok, k0, float("-inf")),
     )
     position = state.position + 1
     gone = continue_running_sums(gone, left, None, 1)
     gone.position = max(position - r, 0)
-    return avg, BandState(gone, keys[:, 1:], vals[:, 1:], seen[:, 1:], position)
+    return avg, BandState(gone, *ring, position=position)
+
+
+def _slots(valid: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``valid (B, n)`` viewed to broadcast against ``like (B, n, ...)``."""
+    return valid.view(*valid.shape, *(1,) * (like.dim() - 2))
