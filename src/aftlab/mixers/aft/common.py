@@ -90,6 +90,16 @@ class AFTMixer(SequenceMixer):
         dt = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
         return tuple(t.to(dt) for t in tensors)
 
+    def outputs(
+        self, out: Any, padding_mask: torch.Tensor | None, return_state: bool
+    ) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        """:meth:`output` of an op's result ``out``: ``y``, or ``(y, state)`` with
+        ``return_state`` (the state passed through)."""
+        if not return_state:
+            return self.output(out, padding_mask)
+        y, state = out
+        return self.output(y), state
+
     def output(self, y: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``dropout(Y W^O)``; rows of queries with no valid key are 0 (as in ``attention``).
 

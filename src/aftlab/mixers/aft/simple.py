@@ -50,10 +50,7 @@ class AFTSimple(AFTMixer):
         q, k, v = self.project(x)
         out = _aft_simple(q, k, v, causal=self.causal, padding_mask=padding_mask,
                           initial_state=state, return_state=return_state, check_state=False)
-        if not return_state:
-            return self.output(out, padding_mask)
-        y, state = out
-        return self.output(y), state
+        return self.outputs(out, padding_mask, return_state)
 
     def _init_state(
         self, batch_size: int, device: torch.device | str, dtype: torch.dtype
