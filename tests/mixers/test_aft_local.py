@@ -109,7 +109,7 @@ def test_relative_bias_matches_reference_forward_and_backward(causal, T, window)
     rel = m.rel_bias.detach().clone().requires_grad_()
     xr = x.detach().clone().requires_grad_()
     q, k, v = m.to_q(xr), m.to_k(xr), m.to_v(xr)
-    w = _toeplitz(rel, T, window)
+    w = _toeplitz(rel * m.relative_gain, T, window)  # r = relative_gain * rel_bias
     ref = m.proj(aft_local_reference(q, k, v, w, window, causal=causal))
     want = torch.autograd.grad(ref, (xr, rel), g)
     assert_close("y", y, ref)
@@ -121,10 +121,12 @@ def test_relative_bias_matches_reference_forward_and_backward(causal, T, window)
 
 def test_relative_band_is_a_view_of_the_offsets():
     m = _relative(causal=False, window=4)
+    with torch.no_grad():
+        m.rel_bias.copy_(torch.randn(7))
     band = m.band(10)
-    assert band.shape == (10, 7) and band.stride() == (0, 1)
-    assert band.data_ptr() == m.rel_bias.data_ptr()
-    assert_close("band rows", band, m.rel_bias.detach().expand(10, 7))
+    assert band.shape == (10, 7) and band.stride() == (0, 1)  # one row of offsets, repeated
+    assert m.relative_gain == 10.0
+    assert_close("band rows", band, (10.0 * m.rel_bias.detach()).expand(10, 7))
 
 
 @pytest.mark.parametrize("window", [0, 1, 3, 20])
@@ -239,3 +241,6 @@ def test_relative_bias_through_compare_spec():
 def test_relative_bias_errors():
     with pytest.raises(TypeError, match="'relative_bias' must be a bool, got str"):
         build_mixer("aft-local", d_model=4, relative_bias="yes")
+    for bad in (0, -1.0, float("inf"), "10", True):
+        with pytest.raises(ValueError, match="'relative_gain' must be a finite number > 0"):
+            build_mixer("aft-local", d_model=4, relative_bias=True, relative_gain=bad)

@@ -3,6 +3,8 @@ relative one, learned per offset ``t' - t``), band only."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -30,6 +32,12 @@ class AFTLocal(AFTMixer):
             bias of offset ``j - (s - 1)``, shared by the channels and initialised to 0. The
             mixer then has no ``T_max``: it is not length-limited and needs no ``max_seq_len``.
             False (default): the paper's absolute ``w`` (:class:`PositionBias`).
+        relative_gain: the relative bias is ``r = relative_gain * rel_bias`` (a fixed
+            reparametrisation). Adam moves a parameter by about its learning rate per step
+            whatever the gradient's scale, so an unscaled ``rel_bias`` stayed within
+            ``sum(lr) ~ 0.55`` of 0 over a whole run and trained far worse than the absolute
+            ``U V^T`` (whose products move faster); with 10 it trained better (docs/results.md,
+            "aft-local's window"). Ignored without ``relative_bias``.
         **common: see :class:`~aftlab.mixers.SequenceMixer`; ``max_seq_len`` is required unless
             ``relative_bias``.
 
@@ -52,6 +60,7 @@ class AFTLocal(AFTMixer):
         window: int = 32,
         bias_rank: int | None = 64,
         relative_bias: bool = False,
+        relative_gain: float = 10.0,
         **common,
     ) -> None:
         super().__init__(**common)
@@ -61,7 +70,14 @@ class AFTLocal(AFTMixer):
             raise TypeError(
                 f"{where}: 'relative_bias' must be a bool, got {type(relative_bias).__name__}"
             )
+        if isinstance(relative_gain, bool) or not isinstance(relative_gain, (int, float)) or not (
+            math.isfinite(relative_gain) and relative_gain > 0
+        ):
+            raise ValueError(
+                f"{where}: 'relative_gain' must be a finite number > 0, got {relative_gain!r}"
+            )
         self.relative_bias = relative_bias
+        self.relative_gain = float(relative_gain)
         self.length_limited = not relative_bias
         if relative_bias:
             n_offsets = self.window if self.causal else max(2 * self.window - 1, 0)
@@ -102,7 +118,7 @@ class AFTLocal(AFTMixer):
         Relative: the offsets ``j - beta`` of ``rel_bias`` in every row, whatever ``start``."""
         if self.relative_bias:
             first = self.window - (beta + 1)
-            return self.rel_bias[first : first + W].expand(T, W)
+            return self.offsets()[first : first + W].expand(T, W)
         pb, dev = self.pos_bias, self.to_v.weight.device
         n = start + T
         cols = torch.arange(start, n, device=dev)[:, None] + torch.arange(W, device=dev) - beta
@@ -157,11 +173,17 @@ class AFTLocal(AFTMixer):
         (decoding): :meth:`PositionBias.entries` (keys before position 0, empty ring slots, get
         ``w_{t,0}``: never read), or ``rel_bias[cols - t + s - 1]``."""
         if self.relative_bias:
-            return self.rel_bias[cols - t + self.window - 1]
+            return self.offsets()[cols - t + self.window - 1]
         return self.pos_bias.entries(t, cols.clamp_min(0))
 
+    def offsets(self) -> torch.Tensor:
+        """The relative bias per offset, ``r = relative_gain * rel_bias`` (``relative_bias``)."""
+        return self.rel_bias * self.relative_gain
+
     def extra_repr(self) -> str:
-        rel = ", relative_bias=True" if self.relative_bias else ""
+        rel = ""
+        if self.relative_bias:
+            rel = f", relative_bias=True, relative_gain={self.relative_gain:g}"
         return super().extra_repr() + f", window={self.window}{rel}"
 
     def _init_state(
