@@ -718,7 +718,7 @@ def test_a_state_of_another_shape_device_or_dtype_is_refused(name):
     state = case.random_state(2, F32)
     path, owner, field = _fields(state)[0]
     setattr(owner, field, getattr(owner, field).long())
-    with pytest.raises(TypeError, match=rf"'{path}' must (be a floating-point tensor|have dtype)"):
+    with pytest.raises(TypeError, match=rf"'{path}' must have dtype torch\.float32"):
         _call(case, initial_state=state)
     state = dataclasses.replace(case.empty_state(2, F32), position=-1)
     with pytest.raises(ValueError, match=r"'initial_state\.position' must be >= 0"):
@@ -751,7 +751,7 @@ def test_state_keywords_need_causal(name, arg):
     case = CASES[name]
     value = {"initial_state": case.empty_state(1, F32), "return_state": True,
              "cu_seqlens": torch.tensor([0, 5], dtype=torch.int32)}[arg]
-    with pytest.raises(ValueError, match=rf"'{arg}' needs? causal=True"):
+    with pytest.raises(ValueError, match=rf"'{arg}' need causal=True"):
         _call(case, B=1, causal=False, **{arg: value})
 
 
@@ -770,16 +770,16 @@ def test_a_running_sums_state_empty_in_some_channels(name):
     _assert_states("state", s, s_ref, atol=1e-12, rtol=1e-12)
 
 
-@pytest.mark.parametrize("name", BAND)
-def test_band_ops_refuse_a_state_of_another_float_dtype(name):
-    # (the scan ops cast one to the compute dtype)
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_state_of_another_float_dtype_is_refused(name):
+    # a state is kept in the compute dtype (float32 here); a float64 one is another op's call
     case = CASES[name]
-    with pytest.raises(TypeError, match=r"'initial_state\.k' must have dtype torch\.float32"):
+    with pytest.raises(TypeError, match=r"'initial_state\.[\w.]+' must have dtype torch\.float32"):
         _call(case, initial_state=case.empty_state(2, F64))
 
 
-@pytest.mark.parametrize("name", BAND)
-def test_band_ops_refuse_a_return_state_not_a_bool(name):
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_return_state_not_a_bool_is_refused(name):
     with pytest.raises(TypeError, match="'return_state' must be a bool"):
         _call(CASES[name], return_state=1)
 

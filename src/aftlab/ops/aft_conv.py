@@ -59,12 +59,12 @@ from .._autograd import register_autograd_once
 from .._checks import check_compatible, check_padding_mask, check_tensor
 from ._band_state import (
     check_band_state,
-    check_state_keywords,
     continue_band,
     reference_inputs,
     run_band,
 )
 from ._numerics import compute_dtype, finite_shift, headroom, lse_merge, shift_along
+from ._state_checks import check_state_keywords
 from .reference import biased_average_reference
 from .scan import _stable_prefix_average
 from .state import BandState

@@ -38,12 +38,12 @@ from .. import kernels
 from .._checks import check_compatible, check_positive_int, check_qkv, check_tensor
 from ._band_state import (
     check_band_state,
-    check_state_keywords,
     continue_band,
     reference_inputs,
     run_band,
 )
 from ._numerics import compute_dtype, headroom, shift_along
+from ._state_checks import check_state_keywords
 from .aft_full import check_aft_inputs
 from .lse_average import Geometry, lse_average
 from .reference import biased_average_reference
