@@ -16,7 +16,7 @@ from ...ops._scan_state import continue_running_sums
 from ...ops.state import BandState, RunningSums, shifted_sums
 from ..base import SequenceMixer, mark_residual_projection
 
-__all__ = ["AFTMixer", "BandState", "RunningSums", "band_step", "shifted_sums"]
+__all__ = ["AFTMixer", "BandState", "RunningSums", "ScanMixer", "band_step", "shifted_sums"]
 
 
 class AFTMixer(SequenceMixer):
@@ -30,10 +30,11 @@ class AFTMixer(SequenceMixer):
             AFT-conv (one key channel per head).
         **common: the common mixer arguments of :class:`~aftlab.mixers.SequenceMixer`.
 
-    A subclass implements :meth:`_mix`, one call of its op: ``forward`` is ``_mix(x,
-    padding_mask)``, ``prefill`` (from the empty state or a given one) ``_mix(x, None, state,
-    return_state=True)``, the op continuing the state (its ``initial_state``) and returning the
-    one after (its ``return_state``). The decoding states are the ops' own types
+    Every pass is "project, op, output" (:meth:`project`, :meth:`_op`, :meth:`output`): a
+    subclass implements :meth:`_op`, one call of its op on ``Q, K, V``; ``forward`` runs it
+    without a state, ``prefill`` (from the empty state or a given one) with the state and
+    ``return_state=True``, the op continuing the state (its ``initial_state``) and returning
+    the one after (its ``return_state``). The decoding states are the ops' own types
     (:mod:`aftlab.ops.state`): a :class:`RunningSums` (aft-simple, aft-decay), a
     :class:`BandState` (aft-local, aft-conv; one step: :func:`band_step`).
 
@@ -54,26 +55,22 @@ class AFTMixer(SequenceMixer):
         self.drop = nn.Dropout(self.dropout_p)
 
     def _forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None) -> torch.Tensor:
-        """The output of :meth:`_mix`."""
-        return self._mix(x, padding_mask)
+        """``dropout(Y W^O)`` of the op's ``Y`` on the projections of ``x: (B, T, d)``
+        (:meth:`_op` without a state), queries without a valid key 0 (:meth:`output`)."""
+        return self.output(self._op(*self.project(x), padding_mask, None, False), padding_mask)
 
     def _prefill(self, x: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any]:
-        """One pass of the op from ``state`` (None: the empty state): :meth:`_mix` with
-        ``return_state=True``."""
-        return self._mix(x, None, state, return_state=True)
+        """One pass of the op from ``state`` (None: the empty state): :meth:`_op` with
+        ``return_state=True``, then :meth:`output` of its ``y``."""
+        y, state = self._op(*self.project(x), None, state, True)
+        return self.output(y), state
 
-    def _mix(
-        self,
-        x: torch.Tensor,
-        padding_mask: torch.Tensor | None,
-        state: Any = None,
-        *,
-        return_state: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, Any]:
-        """The mixer's pass over ``x: (B, T, d)``: ``y (B, T, d)``, or with ``return_state``
-        ``(y, state after)``, continuing ``state`` (None: the empty one; never with
-        ``padding_mask``)."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement _mix")
+    def _op(self, q, k, v, padding_mask, state, return_state: bool):
+        """The mixer's op on the projections ``q: (B, T, d)``, ``k: (B, T, key_dim)``,
+        ``v: (B, T, d)`` of a validated ``x`` (:meth:`project`): ``Y (B, T, d)`` for
+        :meth:`output`, or with ``return_state`` ``(Y, state after)``; continuing ``state``
+        (None: the empty one; never with ``padding_mask``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement _op")
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``Q = X W^Q, K = X W^K, V = X W^V``."""
@@ -89,16 +86,6 @@ class AFTMixer(SequenceMixer):
         """
         dt = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
         return tuple(t.to(dt) for t in tensors)
-
-    def outputs(
-        self, out: Any, padding_mask: torch.Tensor | None, return_state: bool
-    ) -> torch.Tensor | tuple[torch.Tensor, Any]:
-        """:meth:`output` of an op's result ``out``: ``y``, or ``(y, state)`` with
-        ``return_state`` (the state passed through)."""
-        if not return_state:
-            return self.output(out, padding_mask)
-        y, state = out
-        return self.output(y), state
 
     def output(self, y: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``dropout(Y W^O)``; rows of queries with no valid key are 0 (as in ``attention``).
@@ -116,6 +103,17 @@ class AFTMixer(SequenceMixer):
         else:
             has_key = padding_mask.any(1, keepdim=True).expand_as(padding_mask)
         return out.masked_fill(~has_key[..., None], 0.0)
+
+
+class ScanMixer(AFTMixer):
+    """An AFT mixer on a scan op (aft-simple, aft-decay): its decoding state is the op's
+    :class:`RunningSums` ``(B, d)``."""
+
+    def _init_state(
+        self, batch_size: int, device: torch.device | str, dtype: torch.dtype
+    ) -> RunningSums:
+        """Empty state for ``batch_size`` sequences (float16/bfloat16 states stay in float32)."""
+        return RunningSums.empty(batch_size, self.d_model, device=device, dtype=dtype)
 
 
 def band_step(

@@ -120,24 +120,20 @@ class AFTConvMixer(AFTMixer):
             w.to(dt),
         )
 
-    def _mix(
-        self,
-        x: torch.Tensor,
-        padding_mask: torch.Tensor | None,
-        state: BandState | None = None,
-        *,
-        return_state: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, BandState]:
-        """``x: (B, T, d_model)`` -> ``(B, T, d_model)``; ``padding_mask: (B, T)``, True = real.
+    def _op(self, q, k, v, padding_mask, state, return_state: bool):
+        """``aft_conv`` (or ``aft_conv2d`` on the grid) of ``Q, V: (B, T, d_model)``,
+        ``K: (B, T, h)`` split into heads with the kernel :meth:`kernel` -> ``(B, T, d_model)``;
+        ``padding_mask: (B, T)``, True = real.
 
         With ``return_state`` (causal, 1-D): one call of the op continuing ``state`` (None: the
         empty one), and the state after ``x``.
         """
-        B, T, d = x.shape
-        q, k, v, w = self._heads(*self.project(x))
+        B, T, d = q.shape
+        dtype = q.dtype  # the projections' (under autocast bf16/fp16, as W^O computes)
+        q, k, v, w = self._heads(q, k, v)
         if state is not None or return_state:
             y, state = _conv_chunk(q, k, v, w, state, True, None)
-            y = self.output(y.reshape(B, T, d).to(x.dtype))
+            y = y.reshape(B, T, d).to(dtype)
             return (y, state) if return_state else y
         if self.grid is None:
             y = _aft_conv(q, k, v, w, causal=self.causal, padding_mask=padding_mask)
@@ -145,7 +141,7 @@ class AFTConvMixer(AFTMixer):
             H, W = self.grid
             if T != H * W:
                 raise ValueError(
-                    f"{type(self).__name__}: sequence length {T} of 'x' {tuple(x.shape)} must "
+                    f"{type(self).__name__}: sequence length {T} of 'x' {(B, T, d)} must "
                     "equal "
                     f"H * W = {H * W} for grid {self.grid}"
                 )
@@ -153,7 +149,7 @@ class AFTConvMixer(AFTMixer):
             y = _aft_conv2d(
                 *(t.reshape(B, H, W, *t.shape[2:]) for t in (q, k, v)), w, padding_mask=grid_mask
             )
-        return self.output(y.reshape(B, T, d).to(x.dtype), padding_mask)
+        return y.reshape(B, T, d).to(dtype)
 
     # ----------------------------------------------------------------- decoding
     def _init_state(

@@ -19,7 +19,7 @@ from torch import nn
 from ..._checks import check_positive_int
 from ...ops.aft_decay import _aft_decay
 from ..registry import register_mixer
-from .common import AFTMixer, RunningSums
+from .common import RunningSums, ScanMixer
 
 __all__ = ["AFTDecay", "AFTDecayState"]
 
@@ -43,7 +43,7 @@ def rwkv_bonus_init(d: int) -> torch.Tensor:
 
 
 @register_mixer("aft-decay")
-class AFTDecay(AFTMixer):
+class AFTDecay(ScanMixer):
     """AFT-decay token mixer (causal only).
 
     Args:
@@ -99,30 +99,16 @@ class AFTDecay(AFTMixer):
         """
         return torch.exp(self.time_decay.clamp(max=30.0))
 
-    def _mix(
-        self,
-        x: torch.Tensor,
-        padding_mask: torch.Tensor | None,
-        state: AFTDecayState | None = None,
-        *,
-        return_state: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, AFTDecayState]:
-        """``dropout(W^O aft_decay(X W^Q, X W^K, X W^V, lambda, u))``, ``(B, T, d)`` -> same.
+    def _op(self, q, k, v, padding_mask, state, return_state: bool):
+        """``aft_decay(Q, K, V, lambda, u)``, ``(B, T, d)`` each -> ``(B, T, d)`` (the mixer is
+        ``dropout(W^O aft_decay(X W^Q, X W^K, X W^V, lambda, u))``).
 
         With ``return_state``, one op call continuing ``state`` (its ``initial_state``) also
         gives the state after ``x``: with ``z_t' = K_t' - (T-1-t') lambda`` over every key so
         far, ``p = max_t' z_t'``, ``a = sum_t' e^{z_t' - p} V_t'``, ``b = sum_t' e^{z_t' - p}``.
         """
-        q, k, v = self.project(x)
-        out = _aft_decay(q, k, v, self.decay(), self.time_bonus, padding_mask=padding_mask,
-                         initial_state=state, return_state=return_state, check_state=False)
-        return self.outputs(out, padding_mask, return_state)
-
-    def _init_state(
-        self, batch_size: int, device: torch.device | str, dtype: torch.dtype
-    ) -> AFTDecayState:
-        """Empty state for ``batch_size`` sequences (float16/bfloat16 states stay in float32)."""
-        return RunningSums.empty(batch_size, self.d_model, device=device, dtype=dtype)
+        return _aft_decay(q, k, v, self.decay(), self.time_bonus, padding_mask=padding_mask,
+                          initial_state=state, return_state=return_state, check_state=False)
 
     def _step(self, x: torch.Tensor, state: AFTDecayState) -> tuple[torch.Tensor, AFTDecayState]:
         """One token ``x: (B, d)`` in ``O(d)`` (RWKV's WKV recurrence with its stability trick).

@@ -108,15 +108,9 @@ class AFTFull(AFTMixer):
         """The init hook: the position bias starts at 0 (:class:`PositionBias`)."""
         self.pos_bias.reset_parameters()
 
-    def _mix(
-        self,
-        x: torch.Tensor,
-        padding_mask: torch.Tensor | None,
-        state: AFTFullState | None = None,
-        *,
-        return_state: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, AFTFullState]:
-        """``x: (B, T, d_model)`` with ``T <= T_max`` -> ``(B, T, d_model)``.
+    def _op(self, q, k, v, padding_mask, state, return_state: bool):
+        """``aft_full(Q, K, V, w[:T, :T])``: ``(B, T, d_model)`` each with ``T <= T_max`` ->
+        ``(B, T, d_model)``.
 
         With a state keyword, ``x`` after the ``t0`` tokens of ``state`` (None: none) in one
         pass: rows ``t0 .. t0 + T - 1`` of the causal op on all ``S = t0 + T`` keys (the
@@ -125,24 +119,21 @@ class AFTFull(AFTMixer):
         rows; the state is not modified. With ``return_state`` also the state after the ``S``
         tokens (slots ``[0, S)``).
         """
-        q, k, v = self.project(x)
         if state is None and not return_state:
-            q, k, v, w = self.match_dtypes(q, k, v, self.pos_bias.matrix(x.shape[1]))
-            y = _aft_full(q, k, v, w, causal=self.causal, padding_mask=padding_mask)
-            return self.output(y, padding_mask)
-        if state is None:
-            state = self._init_state(x.shape[0], x.device, x.dtype)
+            q, k, v, w = self.match_dtypes(q, k, v, self.pos_bias.matrix(q.shape[1]))
+            return _aft_full(q, k, v, w, causal=self.causal, padding_mask=padding_mask)
+        if state is None:  # compute_dtype(q.dtype) is x's, autocast or not
+            state = self._init_state(q.shape[0], q.device, q.dtype)
         t0 = state.t
-        S = t0 + x.shape[1]
+        S = t0 + q.shape[1]
         self._check_position(S - 1)
         cd = state.k.dtype
         k_all = torch.cat((state.k[:, :t0], k.to(cd)), 1)
         v_all = torch.cat((state.v[:, :t0], v.to(cd)), 1)
         q_all = torch.cat((q.new_zeros(q.shape[0], t0, q.shape[2]), q), 1)
         qa, ka, va, w = self.match_dtypes(q_all, k_all, v_all, self.pos_bias.matrix(S))
-        y = _aft_full(qa, ka, va, w, causal=True, padding_mask=None)[:, t0:]
-        y = self.output(y.to(q.dtype))
-        return (y, self._state_of(k_all, v_all, x.dtype)) if return_state else y
+        y = _aft_full(qa, ka, va, w, causal=True, padding_mask=None)[:, t0:].to(q.dtype)
+        return (y, self._state_of(k_all, v_all, q.dtype)) if return_state else y
 
     def _state_of(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> AFTFullState:
         """The state after the tokens of ``k, v: (B, S, d)``: slots ``[0, S)``, position ``S``

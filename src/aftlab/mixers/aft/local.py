@@ -137,36 +137,28 @@ class AFTLocal(AFTMixer):
             band = torch.stack([(u * vp[j : j + T]).sum(-1) for j in range(W)], 1)
         return band.masked_fill(~inside, 0.0)
 
-    def _mix(
-        self,
-        x: torch.Tensor,
-        padding_mask: torch.Tensor | None,
-        state: BandState | None = None,
-        *,
-        return_state: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, BandState]:
-        """``x: (B, T, d_model)`` with ``T <= T_max`` -> ``(B, T, d_model)``.
+    def _op(self, q, k, v, padding_mask, state, return_state: bool):
+        """``aft_local_band(Q, K, V, w_band, s)``: ``(B, T, d_model)`` each with ``T <= T_max``
+        -> ``(B, T, d_model)``, the band ``w_band`` of :meth:`band`.
 
         With ``return_state``: one call of the causal op continuing ``state`` (None: the empty
         one) at position ``t0 = state.position``, the band :attr:`state_window` wide with rows
         ``t0 .. t0 + T - 1`` (:meth:`band_rows`: the ring's keys get their biases), and the
         state after ``x``.
         """
-        q, k, v = self.project(x)
-        T = x.shape[1]
+        T = q.shape[1]
         if state is None and not return_state:
             w_band = self.band(T) if self.window > 0 and T > 0 else q.new_zeros(T, 1)
             q, k, v, w_band = self.match_dtypes(q, k, v, w_band)
-            y = _aft_local_band(
+            return _aft_local_band(
                 q, k, v, w_band, self.window, causal=self.causal, padding_mask=padding_mask
             )
-            return self.output(y, padding_mask)
         s, t0 = self.state_window, 0 if state is None else state.position
         self._check_position(t0 + T - 1)
         rows = self.band_rows(t0, T, s, s - 1) if s else q.new_zeros(T, 1)
         q, k, v, rows = self.match_dtypes(q, k, v, rows)
         y, state = _local_chunk(q, k, v, rows, s, 0, T, state, True, None)
-        return (self.output(y), state) if return_state else self.output(y)
+        return (y, state) if return_state else y
 
     def bias_entries(self, t: int, cols: torch.Tensor) -> torch.Tensor:
         """``w_{t, cols}``: ``(len(cols),)`` for keys ``cols`` inside the window of query ``t``

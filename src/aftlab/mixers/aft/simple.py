@@ -12,7 +12,7 @@ import torch
 
 from ...ops.aft_simple import _aft_simple
 from ..registry import register_mixer
-from .common import AFTMixer, RunningSums
+from .common import RunningSums, ScanMixer
 
 __all__ = ["AFTSimple", "AFTSimpleState"]
 
@@ -21,7 +21,7 @@ AFTSimpleState = RunningSums
 
 
 @register_mixer("aft-simple")
-class AFTSimple(AFTMixer):
+class AFTSimple(ScanMixer):
     """AFT-simple token mixer (Zhai et al. 2021, Sec. 3.2).
 
     Takes only the common arguments of :class:`~aftlab.mixers.SequenceMixer`; ``n_heads`` and
@@ -33,30 +33,16 @@ class AFTSimple(AFTMixer):
         ``step``: ``x (B, d)`` -> ``(B, d)``.
     """
 
-    def _mix(
-        self,
-        x: torch.Tensor,
-        padding_mask: torch.Tensor | None,
-        state: AFTSimpleState | None = None,
-        *,
-        return_state: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, AFTSimpleState]:
-        """``dropout(W^O aft_simple(X W^Q, X W^K, X W^V))``; ``x: (B, T, d)`` -> ``(B, T, d)``.
+    def _op(self, q, k, v, padding_mask, state, return_state: bool):
+        """``aft_simple(Q, K, V)``, ``(B, T, d)`` each -> ``(B, T, d)`` (the mixer is
+        ``dropout(W^O aft_simple(X W^Q, X W^K, X W^V))``).
 
         With ``return_state``, one op call continuing ``state`` (its ``initial_state``) also
         gives the state after ``x``: ``p = max_t' K_t'``, ``a = sum_t' e^{K_t' - p} V_t'``,
         ``b = sum_t' e^{K_t' - p}`` over every key so far.
         """
-        q, k, v = self.project(x)
-        out = _aft_simple(q, k, v, causal=self.causal, padding_mask=padding_mask,
-                          initial_state=state, return_state=return_state, check_state=False)
-        return self.outputs(out, padding_mask, return_state)
-
-    def _init_state(
-        self, batch_size: int, device: torch.device | str, dtype: torch.dtype
-    ) -> AFTSimpleState:
-        """Empty state for ``batch_size`` sequences (float16/bfloat16 states stay in float32)."""
-        return RunningSums.empty(batch_size, self.d_model, device=device, dtype=dtype)
+        return _aft_simple(q, k, v, causal=self.causal, padding_mask=padding_mask,
+                           initial_state=state, return_state=return_state, check_state=False)
 
     def _step(self, x: torch.Tensor, state: AFTSimpleState) -> tuple[torch.Tensor, AFTSimpleState]:
         """One token ``x: (B, d)``; ``O(d)`` work (RWKV's stability trick, no decay).
