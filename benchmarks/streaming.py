@@ -37,14 +37,21 @@ def _model(mixer: str, layers: int, d_model: int, max_seq_len: int) -> Transform
     return TransformerLM(cfg).eval()
 
 
-@torch.inference_mode()
-def stream(model: TransformerLM, tokens: int, chunk: int) -> None:
-    """Feed ``tokens`` random byte ids through ``model`` in chunks, carrying the cache."""
+def chunks(tokens: int, chunk: int):
+    """The benchmark's byte ids, ``(1, chunk)`` pieces (the last shorter), seeded."""
     gen = torch.Generator().manual_seed(0)
-    cache = None
     for start in range(0, tokens, chunk):
-        idx = torch.randint(0, 256, (1, min(chunk, tokens - start)), generator=gen)
-        _, cache = model.prefill(idx, cache=cache, logits_to_keep=1)
+        yield torch.randint(0, 256, (1, min(chunk, tokens - start)), generator=gen)
+
+
+@torch.inference_mode()
+def stream(model: TransformerLM, tokens: int, chunk: int):
+    """Feed ``tokens`` ids (:func:`chunks`) through ``model``, carrying the cache; return
+    ``(last logits (1, 1, vocab), cache)``."""
+    logits, cache = None, None
+    for idx in chunks(tokens, chunk):
+        logits, cache = model.prefill(idx, cache=cache, logits_to_keep=1)
+    return logits, cache
 
 
 def peak_rss_mib() -> float:
