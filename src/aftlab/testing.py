@@ -11,12 +11,20 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["assert_close", "default_tolerance", "max_error", "decode", "perturb_parameters"]
+__all__ = [
+    "assert_close",
+    "assert_same_state",
+    "default_tolerance",
+    "max_error",
+    "decode",
+    "perturb_parameters",
+]
 
 _TOL = {
     torch.float64: (1e-10, 1e-8),
@@ -80,6 +88,32 @@ def assert_close(
             f"(atol={atol:g}, rtol={rtol:g}); max abs error {err.max().item():.3e}; "
             f"worst at {idx}: got {a[idx].item():.10g}, expected {e[idx].item():.10g}"
         )
+
+
+def assert_same_state(name: str, actual: Any, expected: Any, precision: torch.dtype) -> None:
+    """Assert two decoding states equal, field by field (dataclasses, nested ones and lists too).
+
+    Tensors are compared by :func:`assert_close` at ``precision``, the dtype of the model that
+    computed them (a float64 field of a float32 model holds float32 sums, whose last bits
+    depend on the CPU's summation order), and must have the same dtype; other values must be
+    equal. A failure names the field (``name: gone.a``).
+    """
+    assert type(actual) is type(expected), (
+        f"{name}: {type(actual).__name__} != expected {type(expected).__name__}"
+    )
+    if isinstance(expected, torch.Tensor):
+        assert actual.dtype == expected.dtype, f"{name}: dtype {actual.dtype} != {expected.dtype}"
+        assert_close(name, actual, expected, precision=precision)
+    elif dataclasses.is_dataclass(expected):
+        for f in dataclasses.fields(expected):
+            a, e = getattr(actual, f.name), getattr(expected, f.name)
+            assert_same_state(f"{name}: {f.name}", a, e, precision)
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), f"{name}: {len(actual)} != {len(expected)} items"
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            assert_same_state(f"{name}[{i}]", a, e, precision)
+    else:
+        assert actual == expected, f"{name} = {actual!r}, expected {expected!r}"
 
 
 def decode(mixer: nn.Module, x: torch.Tensor, state: Any = None) -> tuple[torch.Tensor, Any]:

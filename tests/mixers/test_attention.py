@@ -165,6 +165,22 @@ def test_nonfinite_input_reaches_only_the_outputs_that_see_it(name, causal, bad,
         assert y_next.isnan().all()
 
 
+@pytest.mark.parametrize("p", [2, 6])  # in the cache, or in the new chunk
+@pytest.mark.parametrize("name", ["attention", "attention-naive"])
+def test_nonfinite_token_continuing_a_cache(name, p):
+    """A prefill from a cache gives the forward's outputs, NaN included: a NaN key in the
+    cache reaches every new query (all see it), one in the chunk only the queries after it."""
+    m = build_mixer(name, d_model=D, n_heads=2, rotary=True, head_dim=4, causal=True).double()
+    x = torch.randn(2, 9, D, dtype=torch.float64)
+    x[:, p] = float("nan")
+    with torch.no_grad():
+        y = m(x)
+        _, state = m.prefill(x[:, :4])
+        y_rest, _ = m.prefill(x[:, 4:], state)
+    assert y[:, p:].isnan().all() and not y[:, :p].isnan().any()
+    torch.testing.assert_close(y_rest, y[:, 4:], equal_nan=True, atol=1e-12, rtol=1e-10)
+
+
 @pytest.mark.parametrize("name", ["attention", "attention-naive"])
 @pytest.mark.parametrize("opts", [dict(n_heads=3), dict(n_heads=2, rotary=True, head_dim=4)])
 def test_step_matches_forward(name, opts):

@@ -1,12 +1,13 @@
 """What every registered mixer promises, checked on each of ``available_mixers()``.
 
-Decoding (``init_state`` + ``step``) and prefill equal the forward; padded keys change nothing and
-a query with no key gives zeros; no later input reaches an earlier output, forward or backward;
-bf16 autocast stays close to float32; gradients reach every parameter; dtype and device follow
-the module; the decoding state does not grow with ``T`` (but on the dims its fields mark with
-``GROWS``, a key-value cache's); dropout in training only; bad input gets an error naming the
-argument. Odd sizes throughout (``d = 15``, 3 heads of 5, ``T = 11``). Per-mixer files test only
-what is a mixer's own: its formula against the op, its options, its initialisation.
+Decoding (``init_state`` + ``step``) and prefill equal the forward, and so do chunks that carry the
+state from call to call; packed documents (``cu_seqlens``) equal one call per document; padded keys
+change nothing and a query with no key gives zeros; no later input reaches an earlier output,
+forward or backward; bf16 autocast stays close to float32; gradients reach every parameter; dtype
+and device follow the module; the decoding state does not grow with ``T`` (but on the dims its
+fields mark with ``GROWS``, a key-value cache's); dropout in training only; bad input gets an error
+naming the argument. Odd sizes throughout (``d = 15``, 3 heads of 5, ``T = 11``). Per-mixer files
+test only what is a mixer's own: its formula against the op, its options, its initialisation.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from aftlab.mixers import available_mixers, build_mixer, get_mixer_class
 from aftlab.mixers.base import GROWS
-from aftlab.testing import assert_close, decode, perturb_parameters
+from aftlab.testing import assert_close, assert_same_state, decode, perturb_parameters
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -91,6 +92,53 @@ def test_prefill_equals_forward_and_decoding_continues(name, prompt):
     assert_close(f"{name} steps after the prefill", y_rest, y[:, prompt:])
 
 
+@pytest.mark.parametrize(
+    "sizes", [(4, 1, 6), (1,) * T, (5, 0, 6)], ids=["4+1+6", "ones", "5+0+6"]
+)
+@pytest.mark.parametrize("name", NAMES)
+def test_chunked_prefill_equals_one_prefill(name, sizes):
+    """``forward(x_i, state=s, return_state=True)`` chunk after chunk: the outputs and the final
+    state of one prefill, then the same next step; chunks of one token and of none included."""
+    m = _mixer(name)
+    x = _x(B, T)
+    with torch.no_grad():
+        y, state = m.prefill(x)
+        ys, s, start = [], None, 0
+        for n in sizes:
+            y_n, s = m(x[:, start : start + n], state=s, return_state=True)
+            ys.append(y_n)
+            start += n
+        assert_close(f"{name} chunked outputs", torch.cat(ys, 1), y)
+        assert_same_state(f"{name} chunked state", s, state, F64)
+        nxt = _x(B)
+        assert_close(f"{name} next step", m.step(nxt, s)[0], m.step(nxt, state)[0])
+        _, s = m.prefill(x[:, :5])  # state= alone: the outputs only
+        assert_close(f"{name} forward(state=)", m(x[:, 5:], state=s), y[:, 5:])
+
+
+@pytest.mark.parametrize("name, causal", CASES)
+def test_state_arguments_bad_input(name, causal):
+    m = _mixer(name, causal)
+    x = _x(2, 5)
+    if not causal:
+        for kw in (dict(return_state=True), dict(state=object())):
+            with pytest.raises(RuntimeError, match="needs a causal mixer"):
+                m(x, **kw)
+        return
+    state = m.init_state(2)
+    with pytest.raises(TypeError, match="'return_state' must be a bool"):
+        m(x, return_state=1)
+    with pytest.raises(ValueError, match="'padding_mask' cannot be combined with 'state'"):
+        m(x, state=state, padding_mask=torch.ones(2, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="'padding_mask' cannot be combined"):
+        m(x, return_state=True, padding_mask=torch.ones(2, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="'x' has batch size 2 but 'state' was made for 3"):
+        m(x, state=m.init_state(3))
+    other = "aft-simple" if name.startswith("attention") else "attention"
+    with pytest.raises(TypeError, match="'state' must be a"):
+        m(x, state=_mixer(other).init_state(2))
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_state_size(name):
     """A constant-size state (running sums, ring buffers, a T_max table) stays one size."""
@@ -133,6 +181,66 @@ def test_padding(name, causal):
     assert torch.equal(x.grad[2], torch.zeros_like(x.grad[2])), "a fully padded row has no effect"
     for n, p in m.named_parameters():
         assert torch.isfinite(p.grad).all(), f"{name}: d{n} not finite"
+
+
+# ----------------------------------------------------------------------------- packed documents
+#: documents of 3, 0, 1 and 7 tokens in a row of T = 11
+OFFSETS = [0, 3, 3, 4, T]
+
+
+def _docs(offsets):
+    return [(a, b) for a, b in zip(offsets, offsets[1:], strict=False) if b > a]
+
+
+def _cu(offsets):
+    return torch.tensor(offsets, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("name, causal", CASES)
+def test_packed_documents_equal_one_call_per_document(name, causal):
+    """``cu_seqlens``: outputs and gradients of one call per document; a NaN reaches no other
+    document."""
+    m = _mixer(name, causal)
+    x = _x(1, T)
+    g = _x(1, T)
+    params = list(m.parameters())
+
+    def run(fn):
+        inp = x.clone().requires_grad_()
+        y = fn(inp)
+        return y, torch.autograd.grad((y * g).sum(), [inp, *params])
+
+    y, grads = run(lambda inp: m(inp, cu_seqlens=_cu(OFFSETS)))
+    y_ref, grads_ref = run(lambda inp: torch.cat([m(inp[:, a:b]) for a, b in _docs(OFFSETS)], 1))
+    assert_close(f"{name} packed", y, y_ref)
+    for i, (a, e) in enumerate(zip(grads, grads_ref, strict=True)):
+        assert_close(f"{name} packed gradient {i}", a, e)
+    with torch.no_grad():
+        bad = x.clone()
+        bad[:, 6] = float("nan")  # in the last document, [4, 11)
+        y_bad = m(bad, cu_seqlens=_cu(OFFSETS))
+    assert_close(f"{name} other documents", y_bad[:, :4], y[:, :4])
+    if causal:
+        assert_close(f"{name} earlier in the document", y_bad[:, 4:6], y[:, 4:6])
+
+
+@pytest.mark.parametrize("offsets", [OFFSETS, [0, 0, T]], ids=["4-docs", "empty-first"])
+@pytest.mark.parametrize("name", NAMES)
+def test_packed_documents_continue_a_state(name, offsets):
+    """With ``state`` the first document continues it; the state returned is the last one's."""
+    m = _mixer(name)
+    before, x = _x(1, 5), _x(1, T)
+    docs = _docs(offsets)
+    with torch.no_grad():
+        _, state = m.prefill(before)
+        y, last = m(x, state=state, return_state=True, cu_seqlens=_cu(offsets))
+        a, b = docs[0]
+        first = m(torch.cat([before, x[:, a:b]], 1))[:, 5:]
+        rest = [m(x[:, a:b]) for a, b in docs[1:]]
+        assert_close(f"{name} packed after a state", y, torch.cat([first, *rest], 1))
+        a, b = docs[-1]
+        tail = x[:, a:b] if len(docs) > 1 else torch.cat([before, x[:, a:b]], 1)
+        assert_same_state(f"{name} last document's state", last, m.prefill(tail)[1], F64)
 
 
 # ----------------------------------------------------------------------------- causality
@@ -257,6 +365,14 @@ def test_bad_input_names_the_argument(name, causal):
         m(_x(2, 5)[..., :-1])
     with pytest.raises(ValueError, match="'padding_mask'"):
         m(_x(2, 5), padding_mask=torch.ones(2, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="'cu_seqlens' packs documents into a batch of one row"):
+        m(_x(2, 5), cu_seqlens=_cu([0, 5]))
+    with pytest.raises(TypeError, match="'cu_seqlens' must have dtype torch.int32"):
+        m(_x(1, 5), cu_seqlens=torch.tensor([0, 5]))
+    with pytest.raises(ValueError, match="'cu_seqlens' must run from 0 to the sequence length 5"):
+        m(_x(1, 5), cu_seqlens=_cu([0, 4]))
+    with pytest.raises(ValueError, match="'cu_seqlens' or 'padding_mask', not both"):
+        m(_x(1, 5), cu_seqlens=_cu([0, 5]), padding_mask=torch.ones(1, 5, dtype=torch.bool))
     if not causal:
         for call in (lambda: m.init_state(1), lambda: m.step(_x(1), None)):
             with pytest.raises(RuntimeError, match="causal"):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import dataclasses
 import sys
 
 import pytest
@@ -11,6 +10,7 @@ import torch
 from torch import nn
 
 from aftlab import _checks
+from aftlab._state import map_state
 from aftlab.mixers import (
     SequenceMixer,
     available_mixers,
@@ -20,7 +20,9 @@ from aftlab.mixers import (
 )
 from aftlab.mixers import registry as _registry
 from aftlab.models import PixelTransformer, TransformerConfig, TransformerLM
-from aftlab.testing import assert_close
+from aftlab.testing import assert_close, assert_same_state
+
+from .helpers import small_lm
 
 #: every registered mixer that decodes (aft-decay included; none is non-causal only)
 CAUSAL_MIXERS = available_mixers()
@@ -34,38 +36,11 @@ def _small(name: str) -> dict:
     return dict(get_mixer_class(name).test_options)
 
 
-def _lm(name: str, **kw) -> TransformerLM:
-    """A float64 LM (odd sizes) with every parameter perturbed: biases, kernels, decays move."""
-    base = dict(vocab_size=29, d_model=15, n_layers=2, n_heads=3, max_seq_len=40)
-    cfg = TransformerConfig(**{**base, "mixer": name, "mixer_options": _small(name), **kw})
-    model = TransformerLM(cfg).double().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.3 * torch.randn_like(p))
-    return model
-
-
 def _steps(model: TransformerLM, idx: torch.Tensor):
     """The token-by-token path: ``(B, T, V)`` logits and the cache after ``T`` steps."""
     cache = model.init_cache(idx.shape[0])
     logits = [model.step(idx[:, t], cache) for t in range(idx.shape[1])]
     return torch.stack(logits, 1), cache
-
-
-def _assert_same_state(where: str, got, expected, precision: torch.dtype) -> None:
-    """Every field of two mixer states (dataclasses, nested ones too) equal: tensors within the
-    tolerance of ``precision``, the dtype of the model that computed them (a float64 field of a
-    float32 model holds float32 sums, whose last bits depend on the CPU's summation order)."""
-    assert type(got) is type(expected), f"{where}: {type(got).__name__}"
-    for f in dataclasses.fields(expected):
-        a, e = getattr(got, f.name), getattr(expected, f.name)
-        if dataclasses.is_dataclass(e):
-            _assert_same_state(f"{where}: {f.name}", a, e, precision)
-        elif isinstance(e, torch.Tensor):
-            assert a.dtype == e.dtype, f"{where}: {f.name} dtype {a.dtype} != {e.dtype}"
-            assert_close(f"{where}: {f.name}", a, e, precision=precision)
-        else:
-            assert a == e, f"{where}: {f.name} = {a!r}, expected {e!r}"
 
 
 def _check_prefill(model: TransformerLM, T: int, where: str) -> None:
@@ -78,7 +53,7 @@ def _check_prefill(model: TransformerLM, T: int, where: str) -> None:
     assert (cache.position, cache.batch_size) == (T, 3)
     dtype = next(model.parameters()).dtype
     for layer, (got, expected) in enumerate(zip(cache.states, step_cache.states, strict=True)):
-        _assert_same_state(f"{where}, layer {layer}", got, expected, dtype)
+        assert_same_state(f"{where}, layer {layer}", got, expected, dtype)
     nxt = torch.randint(0, model.config.vocab_size, (3, 5))
     for t in range(5):  # decoding goes on alike from both caches
         assert_close(
@@ -92,7 +67,7 @@ def _check_prefill(model: TransformerLM, T: int, where: str) -> None:
 @pytest.mark.parametrize("name", CAUSAL_MIXERS)
 def test_prefill_state_equals_steps(name, T):
     torch.manual_seed(T)
-    _check_prefill(_lm(name), T, f"{name}, T={T}")
+    _check_prefill(small_lm(name), T, f"{name}, T={T}")
 
 
 @pytest.mark.parametrize(
@@ -112,14 +87,14 @@ def test_prefill_state_equals_steps(name, T):
 @pytest.mark.parametrize("T", [7, 33])
 def test_prefill_state_equals_steps_variants(name, kw, T):
     torch.manual_seed(T)
-    _check_prefill(_lm(name, **kw), T, f"{name} {kw}, T={T}")
+    _check_prefill(small_lm(name, **kw), T, f"{name} {kw}, T={T}")
 
 
 @pytest.mark.parametrize("T", LENGTHS)
 @pytest.mark.parametrize("name", CAUSAL_MIXERS)
 def test_greedy_generate_unchanged_by_prefill(name, T):
     torch.manual_seed(100 + T)
-    model = _lm(name)
+    model = small_lm(name)
     prompt = torch.randint(0, 29, (3, T))
     logits, cache = _steps(model, prompt)  # the token-by-token path generate used to take
     nxt, expected = logits[:, -1].argmax(-1), [prompt]
@@ -167,12 +142,12 @@ def test_mixer_prefill_keeps_forward_and_matches_steps(name, dtype, scale):
         steps = m.init_state(2)
         for t in range(33):
             _, steps = m.step(x[:, t], steps)
-    _assert_same_state(name, state, steps, dtype)
+    assert_same_state(name, state, steps, dtype)
 
 
 @pytest.mark.parametrize("name", LENGTH_LIMITED)
 def test_length_limited_mixers_refuse_overflow(name):
-    model = _lm(name, max_seq_len=10, positional="sinusoidal")
+    model = small_lm(name, max_seq_len=10, positional="sinusoidal")
     limit = rf"sequence length 11 of 'idx' exceeds max_seq_len = 10, the limit of '{name}'"
     with pytest.raises(ValueError, match=limit):
         model.prefill(torch.zeros(2, 11, dtype=torch.long))
@@ -187,7 +162,7 @@ def test_length_limited_mixers_refuse_overflow(name):
 
 
 def test_learned_positions_limit_prefill():
-    model = _lm("aft-simple", max_seq_len=10)
+    model = small_lm("aft-simple", max_seq_len=10)
     limit = "the limit of 'the learned positional table'"
     with pytest.raises(ValueError, match=rf"sequence length 11 of 'idx' .* = 10, {limit}"):
         model.prefill(torch.zeros(1, 11, dtype=torch.long))
@@ -197,7 +172,7 @@ def test_learned_positions_limit_prefill():
 def test_logits_to_keep_gives_the_last_rows(name):
     """``prefill(idx, logits_to_keep=n)``: the last ``n`` rows of the full logits, same cache."""
     torch.manual_seed(2)
-    model = _lm(name)
+    model = small_lm(name)
     idx = torch.randint(0, 29, (3, 9))
     full, cache = model.prefill(idx)
     for n in (1, 4, 9):
@@ -205,7 +180,7 @@ def test_logits_to_keep_gives_the_last_rows(name):
         assert_close(f"{name}: prefill logits_to_keep={n}", last, full[:, -n:])
         assert_close(f"{name}: forward logits_to_keep={n}", model(idx, logits_to_keep=n), last)
         for layer, (a, e) in enumerate(zip(last_cache.states, cache.states, strict=True)):
-            _assert_same_state(f"{name}, layer {layer}", a, e, torch.float64)
+            assert_same_state(f"{name}, layer {layer}", a, e, torch.float64)
     with pytest.raises(ValueError, match="'logits_to_keep' must be >= 0, got -1"):
         model.prefill(idx, logits_to_keep=-1)
     pix = PixelTransformer(model.config, image_shape=(4, 4)).double().eval()
@@ -243,7 +218,7 @@ def _count_checks(monkeypatch) -> collections.Counter:
 def test_each_entry_checks_its_input_once(name, monkeypatch):
     """A model's prefill checks the tokens once and nothing below it; its step the tokens and
     each layer's state once; a mixer called alone checks its ``x`` once."""
-    model = _lm(name)
+    model = small_lm(name)
     idx = torch.randint(0, 29, (3, 6))
     counts = _count_checks(monkeypatch)
     _, cache = model.prefill(idx)
@@ -252,24 +227,31 @@ def test_each_entry_checks_its_input_once(name, monkeypatch):
     model.step(idx[:, 0], cache)
     assert counts == {"check_tokens": 1, "check_state": 2}, f"{name}: step: {dict(counts)}"
     counts.clear()
-    model.backbone.blocks[0].mixer.prefill(torch.randn(3, 6, 15, dtype=torch.float64))
+    model.prefill(idx, cache=cache)  # continuing: the tokens, and each layer's state once
+    assert counts == {"check_tokens": 1, "check_state": 2}, f"{name}: prefill: {dict(counts)}"
+    counts.clear()
+    mixer = model.backbone.blocks[0].mixer
+    _, state = mixer.prefill(torch.randn(3, 6, 15, dtype=torch.float64))
     assert counts == {"check_tensor": 1}, f"{name}: mixer prefill: {dict(counts)}"
+    counts.clear()
+    mixer.prefill(torch.randn(3, 2, 15, dtype=torch.float64), state)
+    assert counts == {"check_tensor": 1, "check_state": 1}, f"{name}: mixer: {dict(counts)}"
 
 
 @pytest.mark.parametrize("name", CAUSAL_MIXERS)
 def test_prefill_bad_input(name):
     m = build_mixer(name, d_model=15, n_heads=3, causal=True, max_seq_len=40)
     x = torch.randn(2, 5, 15)
-    with pytest.raises(TypeError, match="unexpected keyword argument 'return_state'"):
-        m(x, return_state=True)  # one spelling of a prefill: prefill(x)
+    with pytest.raises(TypeError, match="'return_state' must be a bool, got str"):
+        m(x, return_state="yes")
     y, state = m.prefill(x[:, :0])  # an empty prompt: the empty state, as init_state gives
     assert y.shape == (2, 0, 15)
-    _assert_same_state(name, state, m.init_state(2), torch.float32)
+    assert_same_state(name, state, m.init_state(2), torch.float32)
     with pytest.raises(ValueError, match=r"'x' must have shape \(\*, \*, 15\), got \(2, 5, 14\)"):
         m.prefill(torch.randn(2, 5, 14))
     if not get_mixer_class(name).causal_only:
         bidir = build_mixer(name, d_model=15, n_heads=3, causal=False, max_seq_len=40)
-        with pytest.raises(RuntimeError, match=r"prefill\(\) needs a causal mixer"):
+        with pytest.raises(RuntimeError, match=r"prefill\(\) .*needs a causal mixer"):
             bidir.prefill(x)
 
 
@@ -295,7 +277,7 @@ def test_mixer_without_a_prefill_hook_is_prefilled_by_steps():
     register_mixer("test-cumsum")(_Cumsum)
     try:
         torch.manual_seed(0)
-        model = _lm("test-cumsum", positional="sinusoidal")
+        model = small_lm("test-cumsum", positional="sinusoidal")
         prompt = torch.randint(0, 29, (3, 7))
         logits, cache = model.prefill(prompt)
         assert_close("logits", logits, model(prompt))
@@ -307,3 +289,209 @@ def test_mixer_without_a_prefill_hook_is_prefilled_by_steps():
         assert torch.equal(model.generate(prompt, 4, temperature=0), seq)
     finally:
         _registry._MIXERS.pop("test-cumsum", None)
+
+
+# ----------------------------------------------------------------------------- continuing a cache
+def _chunked(model: TransformerLM, idx: torch.Tensor, sizes, cache=None):
+    """``prefill`` the chunks of ``idx: (B, sum(sizes))`` one after the other, each continuing
+    the cache of the one before: the logits ``(B, T, V)`` side by side and the last cache."""
+    logits, start = [], 0
+    for n in sizes:
+        out, cache = model.prefill(idx[:, start : start + n], cache=cache)
+        logits.append(out)
+        start += n
+    return torch.cat(logits, 1), cache
+
+
+#: (mixer, config keywords) of the models whose continued prefill is checked
+CONTINUED = [
+    ("attention", dict(positional="learned")),
+    ("attention", dict(positional="rotary", head_dim=6)),
+    ("attention", dict(positional="none")),
+    ("attention-naive", dict(positional="sinusoidal")),
+    ("aft-full", {}),
+    ("aft-decay", {}),
+    ("aft-simple", {}),
+    ("aft-local", {}),
+    ("aft-conv", {}),
+]
+CONTINUED_IDS = [f"{n}-{kw.get('positional', 'learned')}" for n, kw in CONTINUED]
+
+
+@pytest.mark.parametrize("sizes", [(7, 9), (5, 1, 1, 9)], ids=["7+9", "5+1+1+9"])
+@pytest.mark.parametrize("name, kw", CONTINUED, ids=CONTINUED_IDS)
+def test_prefill_continues_a_cache(name, kw, sizes):
+    """``prefill(a)`` then ``prefill(b, cache=c)`` is ``prefill(a + b)``: logits, cache, the
+    next step; chunks of one token included."""
+    torch.manual_seed(len(sizes))
+    model = small_lm(name, **kw)
+    idx = torch.randint(0, 29, (3, sum(sizes)))
+    with torch.no_grad():
+        logits, cache = model.prefill(idx)
+        got, got_cache = _chunked(model, idx, sizes)
+        assert_close(f"{name}: chunked logits", got, logits)
+        assert (got_cache.position, got_cache.batch_size) == (sum(sizes), 3)
+        assert_same_state(f"{name}: chunked cache", got_cache.states, cache.states, torch.float64)
+        nxt = torch.randint(0, 29, (3,))
+        assert_close(f"{name}: next step", model.step(nxt, got_cache), model.step(nxt, cache))
+
+
+#: models with no length limit: mixers and positions run any length (mixer, positional)
+UNLIMITED = [
+    ("attention", "none"),
+    ("attention", "sinusoidal"),
+    ("attention", "rotary"),
+    ("aft-simple", "sinusoidal"),
+    ("aft-decay", "none"),
+    ("aft-conv", "none"),
+]
+
+
+@pytest.mark.parametrize("name, positional", UNLIMITED)
+def test_unlimited_models_stream_past_max_seq_len(name, positional):
+    """A model without a length limit continues its cache past ``max_seq_len``: equal to the
+    same weights with a larger ``max_seq_len``, in one pass, and to stepping."""
+    torch.manual_seed(3)
+    kw = dict(positional=positional, head_dim=6 if positional == "rotary" else None)
+    short = small_lm(name, max_seq_len=8, **kw)
+    long = small_lm(name, max_seq_len=40, **kw)
+    long.load_state_dict(short.state_dict())
+    assert short.length_limit is None
+    idx = torch.randint(0, 29, (2, 20))
+    with torch.no_grad():
+        got, cache = _chunked(short, idx, (6, 7, 7))  # positions 6 .. 19 lie past max_seq_len
+        expected, long_cache = long.prefill(idx)
+        assert_close(f"{name}: logits past max_seq_len", got, expected)
+        assert_close(f"{name}: steps past max_seq_len", _steps(short, idx)[0], expected)
+        nxt = torch.randint(0, 29, (2,))
+        assert_close(f"{name}: step 20", short.step(nxt, cache), long.step(nxt, long_cache))
+
+
+@pytest.mark.parametrize(
+    "name, kw, source",
+    [
+        ("aft-simple", {}, "the learned positional table"),
+        ("aft-full", dict(positional="sinusoidal"), "aft-full"),
+        ("aft-local", dict(positional="sinusoidal"), "aft-local"),
+    ],
+)
+def test_a_continued_prefill_past_the_limit_is_refused(name, kw, source):
+    """Learned positions and a length-limited mixer stop at ``max_seq_len``: the error names
+    the position and the limit, before anything ran (the cache is as it was)."""
+    model = small_lm(name, max_seq_len=10, **kw)
+    _, cache = model.prefill(torch.zeros(2, 6, dtype=torch.long))
+    limit = (
+        r"position 10 of 'idx' \(continuing 'cache' at position 6\) exceeds max_seq_len = 10, "
+        rf"the limit of '{source}'"
+    )
+    with pytest.raises(ValueError, match=limit):
+        model.prefill(torch.zeros(2, 5, dtype=torch.long), cache=cache)
+    assert cache.position == 6
+    _, cache = model.prefill(torch.zeros(2, 4, dtype=torch.long), cache=cache)  # fills T_max
+    assert cache.position == 10
+    with pytest.raises(ValueError, match=r"position 10 .*max_seq_len"):
+        model.step(torch.zeros(2, dtype=torch.long), cache)
+    if source != "the learned positional table":  # the mixer alone: its own state's position
+        mixer = model.backbone.blocks[0].mixer
+        x = torch.randn(2, 11, 15, dtype=torch.float64)
+        _, state = mixer.prefill(x[:, :6])
+        with pytest.raises(ValueError, match=r"position 10 .*max_seq_len \(T_max\) = 10"):
+            mixer.prefill(x[:, 6:], state)
+
+
+def test_prefill_bad_cache():
+    model = small_lm("aft-simple")
+    idx = torch.zeros(2, 4, dtype=torch.long)
+    with pytest.raises(TypeError, match="'cache' must be a DecodingCache, got list"):
+        model.prefill(idx, cache=[])
+    with pytest.raises(ValueError, match="'idx' has batch size 2 but 'cache' was made for"):
+        model.prefill(idx, cache=model.init_cache(3))
+    other = small_lm("attention").init_cache(2)  # another model's cache: named per layer
+    with pytest.raises(TypeError, match=r"'cache.states\[0\]' must be a RunningSums"):
+        model.prefill(idx, cache=other)
+
+
+def _tensors_of(state) -> list[torch.Tensor]:
+    """Every tensor of a state or cache (nested dataclasses and lists), in field order."""
+    found: list[torch.Tensor] = []
+    map_state(lambda t: found.append(t) or t, state)
+    return found
+
+
+def _grad_case(name, kw, xfail=""):
+    marks = [pytest.mark.xfail(strict=True, raises=RuntimeError, reason=xfail)] if xfail else []
+    return pytest.param(name, kw, marks=marks, id=name)
+
+
+#: aft-local's and aft-conv's steps write their ring buffers in place after reading them; they
+#: continue a state by steps until their ops take an initial state (issue 22, the ops' part)
+_IN_PLACE = "the mixer's _step writes its ring buffer in place: not differentiable"
+
+
+@pytest.mark.parametrize(
+    "name, kw",
+    [
+        _grad_case("attention", dict(positional="rotary", head_dim=6)),
+        _grad_case("aft-full", {}),
+        _grad_case("aft-simple", {}),
+        _grad_case("aft-decay", {}),
+        _grad_case("aft-local", {}, xfail=_IN_PLACE),
+        _grad_case("aft-conv", {}, xfail=_IN_PLACE),
+    ],
+)
+def test_gradients_flow_through_the_cache(name, kw):
+    """A loss over both chunks' logits has the one-pass loss's parameter gradients (float64):
+    training can carry a state from chunk to chunk; ``cache.detach()`` cuts the chain."""
+    torch.manual_seed(4)
+    model = small_lm(name, **kw)
+    idx = torch.randint(0, 29, (2, 13))
+    weights = torch.randn(2, 13, 29, dtype=torch.float64)
+    names, params = zip(*model.named_parameters(), strict=True)
+
+    def grads(logits):
+        return torch.autograd.grad((logits.tanh() * weights).sum(), params, allow_unused=True)
+
+    expected = grads(model(idx))
+    logits, _ = _chunked(model, idx, (5, 8))
+    for n, a, e in zip(names, grads(logits), expected, strict=True):
+        assert_close(f"{name}: d{n}", a, e)
+    first, cache = model.prefill(idx[:, :5])
+    cut = cache.detach()
+    pairs = list(zip(_tensors_of(cut), _tensors_of(cache), strict=True))
+    assert pairs and any(t.requires_grad for _, t in pairs)
+    for t_cut, t in pairs:  # the same storage, out of the graph
+        assert not t_cut.requires_grad and t_cut.data_ptr() == t.data_ptr()
+    rest, _ = model.prefill(idx[:, 5:], cache=cut)
+    assert_close(f"{name}: logits from the detached cache", rest, logits[:, 5:])
+    through, cut_off = (
+        torch.autograd.grad(rest.square().sum(), model.backbone.token_embedding.weight)[0]
+        for rest in (model.prefill(idx[:, 5:], cache=model.prefill(idx[:, :5])[1])[0], rest)
+    )
+    assert (through - cut_off).abs().max() > 1e-6, "detach() cut nothing"
+
+
+class _InPlaceCumsum(_Cumsum):
+    """:class:`_Cumsum` whose step adds into its state in place (no ``_prefill`` either)."""
+
+    def _step(self, x, state):
+        state.add_(x)  # the projection saved the previous step's state for its backward
+        return self.proj(state), state
+
+
+def test_a_mixer_stepping_in_place_is_continued_with_gradients():
+    """The steps that continue a state of a mixer without a one-pass ``_prefill`` each get a
+    copy of the state under autograd: the gradient is the one-pass one."""
+    register_mixer("test-inplace-cumsum")(_InPlaceCumsum)
+    try:
+        torch.manual_seed(5)
+        model = small_lm("test-inplace-cumsum", positional="sinusoidal")
+        idx = torch.randint(0, 29, (2, 9))
+        params = list(model.parameters())
+        expected = torch.autograd.grad(model(idx).square().sum(), params)
+        logits, cache = _chunked(model, idx, (4, 5))
+        for i, (a, e) in enumerate(zip(torch.autograd.grad(logits.square().sum(), params),
+                                       expected, strict=True)):
+            assert_close(f"parameter {i}", a, e)
+        assert cache.position == 9
+    finally:
+        _registry._MIXERS.pop("test-inplace-cumsum", None)

@@ -12,6 +12,12 @@ allowed key outputs 0. A NaN or inf reaches exactly the outputs that see it, nev
 one (:func:`_nan_outputs`). With ``rotary``, ``Q_h`` and ``K_h`` are rotated by their
 positions before the product (RoPE, :func:`apply_rotary`), so ``A_h`` depends only on ``t - t'``.
 
+Continuing a :class:`KVCache` of ``L`` tokens (``prefill(x, cache)``), the ``T`` new queries
+attend to the ``L`` cached keys and their own (``M`` causal among the new ones), rotated at
+positions ``L .. L + T - 1``. Packed documents (``cu_seqlens``) are one call with a
+block-diagonal ``M`` (``t'`` in ``t``'s document, ``t' <= t`` when causal) and rotary positions
+from 0 in each document; a non-finite entry reaches only the outputs of its own document.
+
 ``"attention"`` calls :func:`torch.nn.functional.scaled_dot_product_attention` (flash /
 memory-efficient kernels where available); ``"attention-naive"`` is the same module computing
 ``A_h`` explicitly with einsum + softmax: the reference the fast path is tested against.
@@ -26,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import check_positive_int
-from .base import GROWS, SequenceMixer, mark_residual_projection
+from .base import GROWS, SequenceMixer, document_positions, mark_residual_projection
 from .registry import register_mixer
 
 __all__ = [
@@ -182,7 +188,9 @@ class MultiHeadAttention(SequenceMixer):
 
     Shapes:
         ``forward``: ``x (B, T, d)``, ``padding_mask (B, T)`` bool -> ``(B, T, d)``.
-        ``prefill``: ``x (B, T, d)`` -> ``(B, T, d)`` and the :class:`KVCache` after ``T`` tokens.
+        ``prefill``: ``x (B, T, d)`` and the :class:`KVCache` of ``L`` tokens (or None) ->
+        ``(B, T, d)`` and the :class:`KVCache` after the ``L + T`` tokens (one pass).
+        ``cu_seqlens``: ``x (1, T, d)`` -> ``(1, T, d)``, one pass with a block-diagonal mask.
         ``step``: ``x (B, d)`` and a :class:`KVCache` -> ``(B, d)`` and the cache.
 
     Example:
@@ -233,16 +241,15 @@ class MultiHeadAttention(SequenceMixer):
 
     # ------------------------------------------------------------------ pieces
     def _split(
-        self, qkv: torch.Tensor, start: int
+        self, qkv: torch.Tensor, pos: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``qkv: (B, T, 3 H m)`` -> ``Q, K, V: (B, H, T, m)``; rotary at positions ``start + t``.
-        """
+        """``qkv: (B, T, 3 H m)`` -> ``Q, K, V: (B, H, T, m)``; rotary at positions ``pos (T,)``
+        (unused without rotary)."""
         B, T, _ = qkv.shape
         q, k, v = (
             t.view(B, T, self.n_heads, self.head_dim).transpose(1, 2) for t in qkv.chunk(3, dim=-1)
         )
         if self.rotary:
-            pos = torch.arange(start, start + T, device=qkv.device)
             cos, sin = rotary_angles(pos, self.head_dim, base=self.rotary_base, dtype=q.dtype)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return q, k, v
@@ -308,27 +315,109 @@ class MultiHeadAttention(SequenceMixer):
         """
         return self._mix(x, padding_mask)[0]
 
-    def _prefill(self, x: torch.Tensor) -> tuple[torch.Tensor, KVCache]:
-        """:meth:`_forward` and the :class:`KVCache` of the ``T`` tokens (their rotated keys and
-        values from the same pass), as ``T`` calls of :meth:`step` leave it."""
-        out, qkv = self._mix(x, None)
-        _, k, v = self._split(qkv, 0)  # the cache keeps the non-finite keys, as stepping does
-        return out, KVCache.from_prefix(k, v)
+    def _prefill(
+        self, x: torch.Tensor, state: KVCache | None
+    ) -> tuple[torch.Tensor, KVCache]:
+        """``x: (B, T, d)`` after the ``L`` tokens of ``state`` (None: none), in one pass.
+
+        The chunk's queries attend to the cached keys and their own (causal among themselves),
+        rotary at positions ``L .. L + T - 1``: ``y`` is rows ``L ..`` of the forward on the
+        whole sequence (from an empty cache, :meth:`_forward`'s bit for bit). Returns ``y`` and
+        the :class:`KVCache` of all ``L + T`` tokens (their rotated keys and values from the same
+        pass), as ``T`` more calls of :meth:`step` leave it; ``state`` is not modified.
+        """
+        out, qkv, pos = self._mix(x, None, state)
+        return out, self._cache_after(state, qkv, pos)
+
+    def _documents(
+        self, x: torch.Tensor, offsets: list[int], state: KVCache | None, return_state: bool
+    ) -> torch.Tensor | tuple[torch.Tensor, KVCache]:
+        """Packed documents in one pass: a block-diagonal (causal) mask, rotary positions from
+        0 in each document (from ``L`` in the first, which continues ``state``); the cache
+        returned holds the last document's keys (after ``state``'s when it is the first)."""
+        out, qkv, pos = self._mix(x, None, state, offsets)
+        if not return_state:
+            return out
+        docs = [(a, b) for a, b in zip(offsets, offsets[1:], strict=False) if b > a]
+        a = docs[-1][0]
+        first = state if a == docs[0][0] else None
+        return out, self._cache_after(first, qkv[:, a:], None if pos is None else pos[a:])
+
+    def _cache_after(
+        self, state: KVCache | None, qkv: torch.Tensor, pos: torch.Tensor | None
+    ) -> KVCache:
+        """The :class:`KVCache` of ``state``'s tokens, then those of ``qkv: (B, T, 3 H m)``
+        (rotated at ``pos``); non-finite keys are kept, as stepping keeps them."""
+        _, k, v = self._split(qkv, pos)
+        if state is not None and state.length:
+            L = state.length
+            k = torch.cat((state.k[:, :, :L], k), dim=2)
+            v = torch.cat((state.v[:, :, :L], v), dim=2)
+        return KVCache.from_prefix(k, v)
 
     def _mix(
-        self, x: torch.Tensor, padding_mask: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`_forward`'s output and the projections ``qkv: (B, T, 3 H m)`` it came from."""
+        self,
+        x: torch.Tensor,
+        padding_mask: torch.Tensor | None,
+        cache: KVCache | None = None,
+        offsets: list[int] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """:meth:`_forward`'s output, after ``cache`` and for the documents at ``offsets``.
+
+        Returns ``(out, qkv, pos)``: the output ``(B, T, d)``, the projections
+        ``qkv: (B, T, 3 H m)`` it came from and the tokens' positions ``pos: (T,)`` (rotary;
+        None for a mixer without rotary and without documents). Without a cache or documents
+        the mask is the padding's (or ``is_causal``); otherwise ``padding_mask`` is None (the
+        public ``forward`` refuses it) and the mask is explicit: :meth:`_chunk_mask`.
+        """
+        T, L = x.shape[1], 0 if cache is None else cache.length
         qkv = self.qkv(x)
-        allowed, has_key = self._masks(x.shape[1], padding_mask, x.device)
         # a NaN or inf reaches only the outputs that see it (_nan_outputs)
         bad = _nonfinite_rows(qkv)
-        q, k, v = self._split(torch.nan_to_num(qkv, nan=0.0, posinf=0.0, neginf=0.0), 0)
-        out = self._output(self._attend(q, k, v, allowed, self.causal))
-        out = torch.where(_nan_outputs(bad, padding_mask, self.causal), float("nan"), out)
+        if offsets is None or not T:
+            doc, pos = None, torch.arange(L, L + T, device=x.device) if self.rotary else None
+        else:
+            doc, pos = document_positions(offsets, x.device, start=L)
+        q, k, v = self._split(torch.nan_to_num(qkv, nan=0.0, posinf=0.0, neginf=0.0), pos)
+        if doc is None and not L:
+            allowed, has_key = self._masks(T, padding_mask, x.device)
+            out = self._output(self._attend(q, k, v, allowed, self.causal))
+            nan = _nan_outputs(bad, padding_mask, self.causal)
+        else:
+            has_key = None
+            allowed = self._chunk_mask(T, L, doc, x.device)  # (T, L + T)
+            kvbad = bad[..., 1] | bad[..., 2]
+            if L:
+                ck, cv = cache.k[:, :, :L], cache.v[:, :, :L]
+                cbad = ~(ck.isfinite().all(-1) & cv.isfinite().all(-1)).all(1)  # (B, L)
+                k = torch.cat((torch.nan_to_num(ck, nan=0.0, posinf=0.0, neginf=0.0), k), 2)
+                v = torch.cat((torch.nan_to_num(cv, nan=0.0, posinf=0.0, neginf=0.0), v), 2)
+                kvbad = torch.cat((cbad, kvbad), 1)
+            out = self._output(self._attend(q, k, v, allowed, False))
+            nan = (bad[..., 0] | (allowed & kvbad[:, None, :]).any(-1))[..., None]
+        out = torch.where(nan, float("nan"), out)
         if has_key is not None:
             out = out.masked_fill(~has_key[:, 0], 0.0)
-        return out, qkv
+        return out, qkv, pos
+
+    def _chunk_mask(
+        self, T: int, L: int, doc: torch.Tensor | None, device: torch.device
+    ) -> torch.Tensor:
+        """Allowed (query, key) pairs of ``T`` queries over ``L`` cached keys and their own:
+        bool ``(T, L + T)``.
+
+        Query ``t`` sees key ``t'`` of the chunk when both are in the same document (``doc``,
+        ``(T,)``; None: one document) and, when causal, ``t' <= t``; it sees the cached keys
+        when it is in the first document (which continues the cache). Every query sees itself.
+        """
+        if doc is None:
+            same = torch.ones(T, T, dtype=torch.bool, device=device)
+            first = same[:, :1]
+        else:
+            same, first = doc[:, None] == doc[None, :], (doc == doc[0])[:, None]
+        if self.causal:
+            same = same & torch.ones(T, T, dtype=torch.bool, device=device).tril()
+        return torch.cat((first.expand(T, L), same), 1) if L else same
 
     def _init_state(
         self, batch_size: int, device: torch.device | str, dtype: torch.dtype
@@ -345,7 +434,8 @@ class MultiHeadAttention(SequenceMixer):
         Returns:
             ``(y, state)`` with ``y: (B, d)``.
         """
-        q, k, v = self._split(self.qkv(x[:, None, :]), state.length)
+        pos = torch.full((1,), state.length, device=x.device) if self.rotary else None
+        q, k, v = self._split(self.qkv(x[:, None, :]), pos)
         state.append(k, v)
         L = state.length
         y = self._attend(q, state.k[:, :, :L], state.v[:, :, :L], None, False)

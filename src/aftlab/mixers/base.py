@@ -14,15 +14,29 @@ Conventions:
       must reproduce ``forward`` on the whole sequence. ``step`` checks ``state`` against the
       structure of an empty one (:meth:`SequenceMixer.check_state`): a state is a dataclass
       whose tensors hold the batch on dim 0.
-    * A causal mixer also prefills: ``y, state = prefill(x)`` runs a whole prompt
-      ``x: (B, T, d_model)`` and returns ``forward(x)`` with the state after its ``T`` tokens
-      (equal, within float tolerance, to ``T`` calls of ``step``). Every built-in mixer does this
-      in one parallel pass (its :meth:`SequenceMixer._prefill`); any other is prefilled by ``T``
-      calls of ``_step``.
+    * A causal mixer carries its state across calls:
+      ``y, state = forward(x, return_state=True)`` also returns the state after the ``T`` tokens
+      of ``x: (B, T, d_model)``, and ``forward(x2, state=state)`` continues from it: chunk by
+      chunk, the outputs and the final state equal one call on the whole sequence (and ``T``
+      calls of ``step``), within float tolerance. ``prefill(x, state=None)`` is the shorthand
+      for ``forward(x, state=state, return_state=True)``. The state passed in may be updated in
+      place (as ``step`` does): use the one returned. A state carries no padding, so
+      ``padding_mask`` with ``state`` or ``return_state`` is a ValueError. Every built-in mixer
+      prefills from the empty state in one parallel pass (its :meth:`SequenceMixer._prefill`);
+      from a given state attention and ``aft-full`` do too, and any other continues by
+      ``T`` calls of ``_step``.
+    * Packed documents: ``cu_seqlens`` (int32 ``[0, n_1, ..., T]``, a batch of one row; the
+      FlashAttention convention, :func:`aftlab.ops._packed.check_cu_seqlens`) restarts the mixer
+      at every document start, positions from 0: the output equals one call per document. With
+      ``state`` the first document continues it; with ``return_state`` the state returned is the
+      last document's. ``cu_seqlens`` with ``padding_mask`` is a ValueError (one or the other).
+      By default a mixer runs :meth:`SequenceMixer._forward` (or ``_prefill``) once per document
+      (:meth:`SequenceMixer._documents`); attention does one pass with a block-diagonal mask.
     * A subclass implements hooks; the public methods validate, fill defaults and call them:
-      ``forward`` -> :meth:`SequenceMixer._forward`, ``prefill`` ->
-      :meth:`SequenceMixer._prefill`, ``init_state`` -> :meth:`SequenceMixer._init_state`,
-      ``step`` -> :meth:`SequenceMixer._step`. A block of a model calls the hooks of ``prefill``
+      ``forward`` -> :meth:`SequenceMixer._forward` (with ``state``/``return_state``:
+      :meth:`SequenceMixer._prefill`; with ``cu_seqlens``: :meth:`SequenceMixer._documents`),
+      ``init_state`` -> :meth:`SequenceMixer._init_state`, ``step`` ->
+      :meth:`SequenceMixer._step`. A block of a model calls the hooks of ``prefill``
       and ``step`` itself: the model's entry points have validated their inputs. A mixer takes
       plain keyword arguments and knows nothing of models; a model builds its mixers from its
       config with :func:`aftlab.models.blocks.mixer_from_config`.
@@ -44,10 +58,13 @@ import torch
 from torch import nn
 
 from .._checks import check_floating_dtype, check_padding_mask, check_positive_int, check_tensor
+from .._state import clone_state
+from ..ops._packed import check_cu_seqlens, run_documents
 
 __all__ = [
     "SequenceMixer",
     "MixerState",
+    "document_positions",
     "COMMON_ARGS",
     "GROWS",
     "mark_residual_projection",
@@ -66,6 +83,27 @@ GROWS = "grows"
 #: the constructor arguments every mixer takes (a model fills them from its config fields of the
 #: same names)
 COMMON_ARGS = ("d_model", "n_heads", "causal", "max_seq_len", "dropout", "bias")
+
+def document_positions(
+    offsets: list[int], device: torch.device | str | None = None, *, start: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's document and its position in it, for packed documents at ``offsets``.
+
+    ``offsets`` are the ints of ``cu_seqlens`` (``[0, n_1, ..., T]``,
+    :func:`~aftlab.ops._packed.check_cu_seqlens`). Returns ``(doc, pos)``, long ``(T,)`` each:
+    token ``t`` of document ``i`` (``offsets[i] <= t < offsets[i+1]``) has ``doc[t] = i`` and
+    ``pos[t] = t - offsets[i]``, plus ``start`` in the first non-empty document (the one that
+    continues a state at position ``start``).
+    """
+    cu = torch.tensor(offsets, dtype=torch.long, device=device)
+    T = offsets[-1]
+    doc = torch.repeat_interleave(torch.arange(len(offsets) - 1, device=device), cu.diff(),
+                                  output_size=T)
+    pos = torch.arange(T, device=device) - cu[doc]
+    if start and T:
+        pos = pos + start * (doc == doc[0])
+    return doc, pos
+
 
 def mark_residual_projection(layer: nn.Linear) -> nn.Linear:
     """Mark ``layer`` as the last linear layer of a residual branch; returns ``layer``.
@@ -131,7 +169,8 @@ class SequenceMixer(nn.Module):
     """Base class of token mixers.
 
     Subclasses implement :meth:`_forward`, and causal ones :meth:`_init_state` and :meth:`_step`
-    (and :meth:`_prefill` for a one-pass prefill); the public :meth:`forward`, :meth:`prefill`,
+    (and :meth:`_prefill` for a one-pass prefill, :meth:`_documents` for one pass over packed
+    documents); the public :meth:`forward`, :meth:`prefill`,
     :meth:`init_state` and :meth:`step` validate their arguments and call them, so every mixer
     has the same guards. Every subclass accepts the common keyword-only constructor arguments
     below (and may ignore those it has no use for) plus its own, typed keyword-only options; it
@@ -213,27 +252,65 @@ class SequenceMixer(nn.Module):
         check_tensor(where, "x", x, shape=(None, None, self.d_model), floating=True)
         if padding_mask is not None:
             check_padding_mask(where, padding_mask, tuple(x.shape[:2]), "x", x)
-        self._check_length(x)
         return x, padding_mask
 
-    def _check_prefill_input(self, x: torch.Tensor) -> torch.Tensor:
-        """Validate a prompt ``x: (B, T, d_model)`` (``T = 0`` allowed) of a causal mixer."""
+    def _check_carry(
+        self,
+        x: torch.Tensor,
+        padding_mask: torch.Tensor | None,
+        state: MixerState | None,
+        return_state: bool,
+    ) -> None:
+        """Validate a call that continues ``state`` or returns one (a causal mixer, no padding,
+        ``state`` fitting ``x``: :meth:`check_state`)."""
         where = type(self).__name__
+        if not isinstance(return_state, bool):
+            raise TypeError(
+                f"{where}: 'return_state' must be a bool, got {type(return_state).__name__}"
+            )
+        if state is None and not return_state:
+            return
         if not self.causal:
             raise RuntimeError(
-                f"{where}: prefill() needs a causal mixer; this one has causal=False"
+                f"{where}: prefill() ('state', return_state=True) needs a causal mixer; this one "
+                "has causal=False"
             )
-        check_tensor(where, "x", x, shape=(None, None, self.d_model), floating=True)
-        self._check_length(x)
-        return x
-
-    def _check_length(self, x: torch.Tensor) -> None:
-        """A length-limited mixer runs sequences ``x: (B, T, d)`` of ``T <= max_seq_len``."""
-        if self.length_limited and self.max_seq_len is not None and x.shape[1] > self.max_seq_len:
+        if padding_mask is not None:
             raise ValueError(
-                f"{type(self).__name__}: sequence length {x.shape[1]} of 'x' exceeds max_seq_len "
-                f"(T_max) = {self.max_seq_len}"
+                f"{where}: 'padding_mask' cannot be combined with 'state' or return_state=True: "
+                "a decoding state holds no padding (a padded token would be seen by every later "
+                "one); pass rows of equal length without padding_mask"
             )
+        if state is not None:
+            self.check_state(state, x)
+
+    def _check_length(
+        self, x: torch.Tensor, state: MixerState | None = None, offsets: list[int] | None = None
+    ) -> None:
+        """A length-limited mixer runs positions ``< max_seq_len`` only: ``x: (B, T, d)`` from
+        the position of ``state`` (:meth:`_state_position`), or each document of ``offsets``."""
+        T_max = self.max_seq_len
+        if not self.length_limited or T_max is None:
+            return
+        where, T = type(self).__name__, x.shape[1]
+        start = (self._state_position(state) or 0) if state is not None else 0
+        docs = [(0, T)] if offsets is None else [
+            (a, b) for a, b in zip(offsets, offsets[1:], strict=False) if b > a
+        ]
+        for i, (a, b) in enumerate(docs):
+            first = start if i == 0 else 0
+            if first + b - a <= T_max:
+                continue
+            if first:
+                what = (
+                    f"position {first + b - a - 1} of 'x' (continuing 'state' at position "
+                    f"{first})"
+                )
+            elif offsets is not None:
+                what = f"document length {b - a} (tokens {a}..{b - 1} of 'cu_seqlens')"
+            else:
+                what = f"sequence length {T} of 'x'"
+            raise ValueError(f"{where}: {what} exceeds max_seq_len (T_max) = {T_max}")
 
     def _check_step_input(self, x: torch.Tensor) -> torch.Tensor:
         where = type(self).__name__
@@ -250,26 +327,72 @@ class SequenceMixer(nn.Module):
             )
 
     # ----------------------------------------------------------------- interface
-    def forward(self, x: torch.Tensor, *, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Mix ``x: (B, T, d_model)`` over time; returns ``(B, T, d_model)``.
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        padding_mask: torch.Tensor | None = None,
+        state: MixerState | None = None,
+        return_state: bool = False,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, MixerState]:
+        """Mix ``x: (B, T, d_model)`` over time; returns ``y: (B, T, d_model)``, or ``(y, state)``.
 
-        Validates the arguments, then calls :meth:`_forward`.
+        Args:
+            x: ``(B, T, d_model)``, ``T = 0`` allowed.
+            padding_mask: bool ``(B, T)``, True for real tokens (not with ``state``,
+                ``return_state`` or ``cu_seqlens``).
+            state: a causal mixer continues from this state (of ``init_state``, ``step`` or an
+                earlier call): ``y`` is then rows ``t0 .. t0 + T - 1`` of the forward on the
+                whole sequence, ``t0`` the state's position. Checked by :meth:`check_state`.
+            return_state: also return the state after the ``T`` tokens (causal mixers).
+            cu_seqlens: int32 ``[0, n_1, ..., T]`` for ``B = 1``: packed documents, each
+                restarting from the empty state (the first continues ``state``; the state
+                returned is the last document's).
+
+        Validates the arguments, then calls :meth:`_forward`, :meth:`_prefill` (with
+        ``state``/``return_state``) or :meth:`_documents` (with ``cu_seqlens``).
+
+        Raises:
+            RuntimeError: ``state``/``return_state`` on a non-causal mixer.
+            TypeError: a state of another type; ``cu_seqlens`` not int32.
+            ValueError: bad shapes; ``padding_mask`` with a state or ``cu_seqlens``; bad
+                ``cu_seqlens`` (:func:`~aftlab.ops._packed.check_cu_seqlens`); positions past
+                ``max_seq_len`` of a length-limited mixer.
         """
         x, padding_mask = self._check_input(x, padding_mask)
-        return self._forward(x, padding_mask)
+        self._check_carry(x, padding_mask, state, return_state)
+        offsets = None
+        if cu_seqlens is not None:
+            offsets = check_cu_seqlens(type(self).__name__, cu_seqlens, x.shape[1], x.shape[0])
+            if padding_mask is not None:
+                raise ValueError(
+                    f"{type(self).__name__}: pass 'cu_seqlens' or 'padding_mask', not both "
+                    "(packed documents hold no padding)"
+                )
+        self._check_length(x, state, offsets)
+        if not x.shape[1] and (state is not None or return_state):  # the state as it was
+            if state is None:
+                state = self.init_state(x.shape[0], device=x.device, dtype=x.dtype)
+            return (x.new_zeros(x.shape), state) if return_state else x.new_zeros(x.shape)
+        if offsets is not None:
+            return self._documents(x, offsets, state, return_state)
+        if state is None and not return_state:
+            return self._forward(x, padding_mask)
+        y, state = self._prefill(x, state)
+        return (y, state) if return_state else y
 
-    def prefill(self, x: torch.Tensor) -> tuple[torch.Tensor, MixerState]:
-        """Run a prompt ``x: (B, T, d_model)``; return ``(forward(x), state after its T tokens)``.
+    def prefill(
+        self, x: torch.Tensor, state: MixerState | None = None
+    ) -> tuple[torch.Tensor, MixerState]:
+        """Run ``x: (B, T, d_model)`` from ``state`` (None: the empty one); ``(y, state after)``.
 
-        The state equals the one of ``T`` calls of :meth:`step` from ``init_state(B)``, and
-        decoding continues from it at position ``T``; an empty prompt (``T = 0``) gives the empty
-        state. Validates ``x`` (a causal mixer, no padding: decoding has none), then calls
-        :meth:`_prefill`: one parallel pass for every built-in mixer.
+        The shorthand for ``forward(x, state=state, return_state=True)``: ``y`` is the forward's
+        output on the tokens so far (rows of the new ones), and the state equals the one of
+        ``T`` calls of :meth:`step`; decoding continues from it. An empty ``x`` (``T = 0``)
+        returns the state unchanged (the empty one by default).
         """
-        x = self._check_prefill_input(x)
-        if not x.shape[1]:
-            return x.new_zeros(x.shape), self.init_state(x.shape[0], device=x.device, dtype=x.dtype)
-        return self._prefill(x)
+        return self.forward(x, state=state, return_state=True)
 
     def init_state(
         self,
@@ -363,19 +486,55 @@ class SequenceMixer(nn.Module):
         """The mixer itself, on validated arguments (see :meth:`forward`)."""
         raise NotImplementedError(f"{type(self).__name__} does not implement _forward")
 
-    def _prefill(self, x: torch.Tensor) -> tuple[torch.Tensor, MixerState]:
-        """:meth:`prefill` of a validated prompt ``x: (B, T, d_model)``, ``T >= 1``.
+    def _prefill(
+        self, x: torch.Tensor, state: MixerState | None
+    ) -> tuple[torch.Tensor, MixerState]:
+        """``(y, state after)`` of a validated ``x: (B, T, d_model)``, ``T >= 1``, from
+        ``state`` (None: the empty state): :meth:`forward` with ``return_state=True``.
 
-        This default makes ``T`` calls of :meth:`_step` from :meth:`_init_state`. A mixer with a
-        one-pass prefill overrides it: ``y`` is then :meth:`_forward`'s, bit for bit, and the
-        state is reduced from the same pass.
+        This default makes ``T`` calls of :meth:`_step` from ``state`` (or :meth:`_init_state`),
+        updating it in place where ``_step`` does. Under autograd each step gets a copy of the
+        state (:func:`~aftlab._state.clone_state`): a ``_step`` that writes its buffers in place
+        would otherwise overwrite what the earlier steps saved for backward, and the gradient
+        flows through the chain of states. A mixer with a one-pass prefill overrides it: from
+        the empty state ``y`` is then :meth:`_forward`'s, bit for bit, and the state is reduced
+        from the same pass.
         """
-        state = self._init_state(x.shape[0], x.device, x.dtype)
-        ys = []
+        if state is None:
+            state = self._init_state(x.shape[0], x.device, x.dtype)
+        ys, tracked = [], torch.is_grad_enabled()
         for t in range(x.shape[1]):
+            if tracked:
+                state = clone_state(state)
             y, state = self._step(x[:, t], state)
             ys.append(y)
         return torch.stack(ys, 1), state
+
+    def _documents(
+        self, x: torch.Tensor, offsets: list[int], state: MixerState | None, return_state: bool
+    ) -> torch.Tensor | tuple[torch.Tensor, MixerState]:
+        """Packed documents of a validated ``x: (1, T, d_model)`` at ``offsets`` (the ints of
+        ``cu_seqlens``): ``y`` (and the last document's state when ``return_state``).
+
+        This default runs each document alone, :meth:`_forward` (or :meth:`_prefill` for the
+        first, continuing ``state``, and the last when its state is wanted): exact for any
+        mixer, causal or not, one call per document (:func:`~aftlab.ops._packed.run_documents`).
+        """
+
+        def run(a: int, b: int, st: MixerState | None, want: bool):
+            if st is None and not want:
+                return self._forward(x[:, a:b], None)
+            y, new = self._prefill(x[:, a:b], st)
+            return (y, new) if want else y
+
+        return run_documents(offsets, run, initial_state=state, return_state=return_state)
+
+    def _state_position(self, state: MixerState) -> int | None:
+        """The position a state continues at (tokens consumed), for the length check of a
+        length-limited mixer; this default reads ``state.position`` (None: unknown, left to
+        the steps' own checks)."""
+        position = getattr(state, "position", None)
+        return position if isinstance(position, int) else None
 
     def _init_state(
         self, batch_size: int, device: torch.device | str, dtype: torch.dtype

@@ -114,7 +114,8 @@ class TransformerBlock(nn.Module):
 
     Shapes:
         ``forward``: ``x (B, T, d)``, ``padding_mask (B, T)`` -> ``(B, T, d)``;
-        ``prefill``: ``x (B, T, d)`` -> ``(B, T, d)`` and the mixer state after the ``T`` tokens;
+        ``prefill``: ``x (B, T, d)`` and a mixer state (or None) -> ``(B, T, d)`` and the mixer
+        state after the ``T`` tokens;
         ``step``: ``x (B, d)`` and the mixer state -> ``(B, d)`` and the state.
     """
 
@@ -147,9 +148,19 @@ class TransformerBlock(nn.Module):
         h = x + mix(self.norm1(x))
         return h + self.ff(self.norm2(h))
 
-    def forward(self, x: torch.Tensor, *, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        padding_mask: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The block on ``x: (B, T, d)``; the mixer gets ``padding_mask`` or ``cu_seqlens``
+        (packed documents, :meth:`~aftlab.mixers.SequenceMixer.forward`)."""
         check_tensor("TransformerBlock", "x", x, shape=(None, None, self.d_model), floating=True)
-        return self._residual(x, lambda u: self.mixer(u, padding_mask=padding_mask))
+        return self._residual(
+            x, lambda u: self.mixer(u, padding_mask=padding_mask, cu_seqlens=cu_seqlens)
+        )
 
     def _residual_with_state(
         self, x: torch.Tensor, mix: Callable[[torch.Tensor], tuple[torch.Tensor, MixerState]]
@@ -164,15 +175,19 @@ class TransformerBlock(nn.Module):
 
         return self._residual(x, keep), out[0]
 
-    def prefill(self, x: torch.Tensor) -> tuple[torch.Tensor, MixerState]:
-        """``forward(x)`` on a prompt ``x: (B, T, d)`` and the mixer state after its ``T`` tokens.
+    def prefill(
+        self, x: torch.Tensor, state: MixerState | None = None
+    ) -> tuple[torch.Tensor, MixerState]:
+        """The block on ``x: (B, T, d)`` after the mixer state ``state`` (None: the empty one),
+        and the mixer state after the ``T`` tokens.
 
         The mixer's :meth:`~aftlab.mixers.SequenceMixer.prefill`: one parallel pass for every
-        built-in mixer. Checks ``x`` (before the first norm reads it); the mixer its own input.
+        built-in mixer from the empty state. Checks ``x`` (before the first norm reads it); the
+        mixer its own input and ``state``.
         """
         shape = (None, None, self.d_model)
         check_tensor("TransformerBlock.prefill", "x", x, shape=shape, floating=True)
-        return self._residual_with_state(x, self.mixer.prefill)
+        return self._residual_with_state(x, lambda u: self.mixer.prefill(u, state))
 
     def step(self, x: torch.Tensor, state: MixerState) -> tuple[torch.Tensor, MixerState]:
         """One decoding step of the block; norms and feed-forward act per token.
@@ -184,9 +199,11 @@ class TransformerBlock(nn.Module):
         return self._residual_with_state(x, lambda u: self.mixer.step(u, state))
 
     # the backbone's calls, on inputs its model validated: the mixer's hooks, unchecked
-    def _prefill(self, x: torch.Tensor) -> tuple[torch.Tensor, MixerState]:
+    def _prefill(
+        self, x: torch.Tensor, state: MixerState | None = None
+    ) -> tuple[torch.Tensor, MixerState]:
         """:meth:`prefill` unchecked: the mixer's :meth:`~aftlab.mixers.SequenceMixer._prefill`."""
-        return self._residual_with_state(x, self.mixer._prefill)
+        return self._residual_with_state(x, lambda u: self.mixer._prefill(u, state))
 
     def _step(self, x: torch.Tensor, state: MixerState) -> tuple[torch.Tensor, MixerState]:
         """:meth:`step` unchecked: the mixer's :meth:`~aftlab.mixers.SequenceMixer._step`."""

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 import torch
 
 from .._checks import check_positive_int, check_tokens
+from .._state import detach_state
 from ..mixers import MixerState
 
 __all__ = [
@@ -49,6 +50,11 @@ class DecodingCache:
     states: list[MixerState]
     position: int
     batch_size: int
+
+    def detach(self) -> DecodingCache:
+        """The same cache cut from its graph (truncated backpropagation between two chunks of
+        ``prefill(..., cache=)``: the caller's choice); the tensors share storage."""
+        return detach_state(self)
 
 
 class LengthLimit(NamedTuple):

@@ -9,14 +9,14 @@ logits are ``h E^T`` with a tied head (``config.tie_embeddings``). Initialisatio
 :func:`init_weights` (``config.init``). Decoding and ``generate``:
 :mod:`aftlab.models.generation`; loading GPT-2 weights: :mod:`aftlab.models.gpt2`.
 
-Validation: the models' entry points (``forward``, ``prefill``, ``step``, ``generate``) check
-their token ids and padding mask (:func:`~aftlab._checks.check_tokens`: the id range only on
-CPU tensors outside ``torch.compile``, so that no forward pass syncs the host), ``prefill`` the
-length and ``step`` the cache; below them ``prefill`` and ``step`` run the blocks' and mixers'
-hooks, unchecked. ``forward`` calls each block as a module (FSDP's hooks), and a block and its
-mixer (public modules too) check shapes and dtypes; the mixer calls its op without the op's
-checks. Before anything is built, each model checks that its parameters fit in memory
-(:func:`~aftlab.models.memory.check_model_fits`).
+Validation: the models' entry points (``forward``, ``prefill``, ``step``, ``generate``) check their
+token ids and padding mask (:func:`~aftlab._checks.check_tokens`: the id range only on CPU tensors
+outside ``torch.compile``, so that no forward pass syncs the host), ``prefill`` the length and the
+cache it continues, ``step`` the cache, ``forward`` its ``cu_seqlens`` (packed documents); below
+them ``prefill`` and ``step`` run the blocks' and mixers' hooks, unchecked. ``forward`` calls each
+block as a module (FSDP's hooks), and a block and its mixer (public modules too) check shapes and
+dtypes; the mixer calls its op without the op's checks. Before anything is built, each model checks
+that its parameters fit in memory (:func:`~aftlab.models.memory.check_model_fits`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from .._checks import (
     check_tokens,
 )
 from ..mixers import SequenceMixer
-from ..mixers.base import is_residual_projection
+from ..mixers.base import document_positions, is_residual_projection
+from ..ops._packed import check_cu_seqlens
 from . import generation
 from .blocks import FeedForward, TransformerBlock
 from .config import TransformerConfig
@@ -179,18 +180,47 @@ class TransformerBackbone(nn.Module):
             )
         return None
 
-    def _inputs(self, h: torch.Tensor) -> torch.Tensor:
-        """``dropout(h + P[0:T])`` for embeddings ``h: (B, T, d)``: the first block's input."""
-        pos = self.positions(h.shape[1], 0, h)
+    def _inputs(
+        self, h: torch.Tensor, start: int = 0, offsets: list[int] | None = None
+    ) -> torch.Tensor:
+        """``dropout(h + P)`` for embeddings ``h: (B, T, d)``: the first block's input.
+
+        ``P`` encodes positions ``start .. start + T - 1``, or, for packed documents at
+        ``offsets`` (the ints of ``cu_seqlens``), each token's position in its document.
+        """
+        if offsets is None:
+            pos = self.positions(h.shape[1], start, h)
+        else:
+            _, ids = document_positions(offsets, h.device)
+            longest = max(b - a for a, b in zip(offsets, offsets[1:], strict=False))
+            table = self.positions(longest, 0, h)
+            pos = None if table is None else F.embedding(ids, table)
         return self.drop(h if pos is None else h + pos)
 
     def forward_embeddings(
-        self, h: torch.Tensor, *, padding_mask: torch.Tensor | None = None
+        self,
+        h: torch.Tensor,
+        *,
+        padding_mask: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Run token embeddings ``h: (B, T, d)`` (no positions yet) through the stack."""
-        h = self._inputs(h)
+        """Run token embeddings ``h: (B, T, d)`` (no positions yet) through the stack.
+
+        ``cu_seqlens`` (int32 ``[0, n_1, ..., T]``, ``B = 1``) packs documents: positions
+        restart at 0 in each and every block's mixer restarts there, so each document's hidden
+        states equal those of a forward on it alone. Not with ``padding_mask``.
+        """
+        offsets = None
+        if cu_seqlens is not None:
+            if padding_mask is not None:
+                raise ValueError(
+                    f"{self.where}: pass 'cu_seqlens' or 'padding_mask', not both (packed "
+                    "documents hold no padding)"
+                )
+            offsets = check_cu_seqlens(self.where, cu_seqlens, h.shape[1], h.shape[0])
+        h = self._inputs(h, offsets=offsets)
         for block in self.blocks:
-            h = block(h, padding_mask=padding_mask)
+            h = block(h, padding_mask=padding_mask, cu_seqlens=cu_seqlens)
         return self.final_norm(h)
 
     # ------------------------------------------------------------------ decoding
@@ -207,15 +237,45 @@ class TransformerBackbone(nn.Module):
         limited = [b.mixer.name for b in self.blocks if b.mixer.length_limited]
         return LengthLimit(self.config.max_seq_len, limited[0]) if limited else None
 
-    def check_length(self, where: str, name: str, length: int) -> None:
-        """Raise unless a sequence ``name`` of ``length`` positions is within
-        :attr:`length_limit`."""
+    def check_length(self, where: str, name: str, length: int, *, start: int = 0) -> None:
+        """Raise unless a sequence ``name`` of ``length`` positions from position ``start`` (a
+        cache's) is within :attr:`length_limit`."""
         limit = self.length_limit
-        if limit is not None and length > limit.max_seq_len:
-            raise ValueError(
-                f"{where}: sequence length {length} of {name!r} exceeds max_seq_len = "
-                f"{limit.max_seq_len}, the limit of {limit.source!r}"
+        if limit is None or start + length <= limit.max_seq_len:
+            return
+        what = f"sequence length {length} of {name!r}"
+        if start:
+            what = (
+                f"position {start + length - 1} of {name!r} (continuing 'cache' at position "
+                f"{start})"
             )
+        raise ValueError(
+            f"{where}: {what} exceeds max_seq_len = {limit.max_seq_len}, the limit of "
+            f"{limit.source!r}"
+        )
+
+    def check_cache(self, cache: object, h: torch.Tensor, *, input_name: str = "tokens") -> None:
+        """Raise unless ``cache`` is a :class:`DecodingCache` of this model for the inputs
+        ``h: (B, ...)`` (named ``input_name``): its batch size, one state per block, each
+        fitting its mixer (:meth:`~aftlab.mixers.SequenceMixer.check_state`, named
+        ``cache.states[i]``)."""
+        name = "cache"
+        if not isinstance(cache, DecodingCache):
+            raise TypeError(
+                f"{self.where}: {name!r} must be a DecodingCache, got {type(cache).__name__}"
+            )
+        if h.shape[0] != cache.batch_size:
+            raise ValueError(
+                f"{self.where}: {input_name!r} has batch size {h.shape[0]} but {name!r} was made "
+                f"for batch_size={cache.batch_size}"
+            )
+        if len(cache.states) != len(self.blocks):
+            raise ValueError(
+                f"{self.where}: {name!r} holds {len(cache.states)} layer states but the model "
+                f"has n_layers={len(self.blocks)}"
+            )
+        for i, block in enumerate(self.blocks):  # a cache of another model: named as such
+            block.mixer.check_state(cache.states[i], h, name=f"{name}.states[{i}]")
 
     def init_cache(
         self,
@@ -240,55 +300,58 @@ class TransformerBackbone(nn.Module):
         states = [b.mixer.init_state(batch_size, device=device, dtype=dtype) for b in self.blocks]
         return DecodingCache(states=states, position=0, batch_size=batch_size)
 
-    def prefill_embeddings(self, h: torch.Tensor) -> tuple[torch.Tensor, DecodingCache]:
-        """Run a prompt's embeddings ``h: (B, T, d)`` (no positions yet) through the stack at once.
+    def prefill_embeddings(
+        self, h: torch.Tensor, cache: DecodingCache | None = None
+    ) -> tuple[torch.Tensor, DecodingCache]:
+        """Run a prompt's embeddings ``h: (B, T, d)`` (no positions yet) through the stack at
+        once, from ``cache`` (None: from position 0).
 
-        The model's ``prefill`` has checked the prompt (its ids and :meth:`check_length`); the
-        blocks run their mixers' one-pass prefill unchecked (:meth:`TransformerBlock._prefill`).
+        The model's ``prefill`` has checked the prompt (its ids and :meth:`check_length`) and
+        ``cache`` (:meth:`check_cache`); the blocks run their mixers' prefill unchecked
+        (:meth:`TransformerBlock._prefill`): one pass from the empty state, and from a state
+        for attention and ``aft-full``; the other mixers continue a state by steps.
 
         Returns:
-            ``(hidden, cache)``: the hidden states ``(B, T, d)`` of :meth:`forward_embeddings`
-            and the :class:`DecodingCache` after the ``T`` tokens (``position = T``), each
-            block's mixer state taken from the same pass.
+            ``(hidden, cache)``: the hidden states ``(B, T, d)`` (of :meth:`forward_embeddings`
+            from an empty cache; with positions ``p .. p + T - 1`` after ``cache`` at ``p``) and
+            the :class:`DecodingCache` at ``position = p + T``, each block's mixer state taken
+            from the same pass. A given ``cache`` is that object, advanced in place (as
+            :meth:`step_embeddings` does).
         """
         self._check_causal()
         B, T = h.shape[:2]
-        h = self._inputs(h)
+        start = 0 if cache is None else cache.position
+        h = self._inputs(h, start)
         states = []
-        for block in self.blocks:
-            h, state = block._prefill(h)
+        for i, block in enumerate(self.blocks):
+            h, state = block._prefill(h, None if cache is None else cache.states[i])
             states.append(state)
-        return self.final_norm(h), DecodingCache(states=states, position=T, batch_size=B)
+        if cache is None:
+            return self.final_norm(h), DecodingCache(states=states, position=T, batch_size=B)
+        cache.states, cache.position = states, start + T
+        return self.final_norm(h), cache
 
     def forward(
-        self, idx: torch.Tensor, *, padding_mask: torch.Tensor | None = None
+        self,
+        idx: torch.Tensor,
+        *,
+        padding_mask: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states ``(B, T, d)`` of token ids ``idx: (B, T)``."""
-        return self.forward_embeddings(self.token_embedding(idx), padding_mask=padding_mask)
+        """Hidden states ``(B, T, d)`` of token ids ``idx: (B, T)`` (:meth:`forward_embeddings`).
+        """
+        return self.forward_embeddings(
+            self.token_embedding(idx), padding_mask=padding_mask, cu_seqlens=cu_seqlens
+        )
 
     def step_embeddings(self, h: torch.Tensor, cache: DecodingCache) -> torch.Tensor:
         """One decoding step from the input embedding ``h: (B, d)``; advances ``cache``.
 
-        Checks ``cache`` (each state: :meth:`~aftlab.mixers.SequenceMixer.check_state`), then
-        runs the blocks' unchecked steps (:meth:`TransformerBlock._step`).
+        Checks ``cache`` (:meth:`check_cache`), then runs the blocks' unchecked steps
+        (:meth:`TransformerBlock._step`).
         """
         self._check_causal()
-        if not isinstance(cache, DecodingCache):
-            raise TypeError(
-                f"{self.where}: 'cache' must be a DecodingCache, got {type(cache).__name__}"
-            )
-        if h.shape[0] != cache.batch_size:
-            raise ValueError(
-                f"{self.where}: 'tokens' has batch size {h.shape[0]} but 'cache' was made for "
-                f"batch_size={cache.batch_size}"
-            )
-        if len(cache.states) != len(self.blocks):
-            raise ValueError(
-                f"{self.where}: 'cache' holds {len(cache.states)} layer states but the model has "
-                f"n_layers={len(self.blocks)}"
-            )
-        for i, block in enumerate(self.blocks):  # a cache of another model: named as such
-            block.mixer.check_state(cache.states[i], h, name=f"cache.states[{i}]")
+        self.check_cache(cache, h)
         pos = self.positions(1, cache.position, h)
         if pos is not None:
             h = h + pos[0]
@@ -357,13 +420,18 @@ class TransformerLM(nn.Module):
         idx: torch.Tensor,
         *,
         padding_mask: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
         logits_to_keep: int = 0,
     ) -> torch.Tensor:
         """Next-token logits.
 
         Args:
-            idx: token ids ``(B, T)``, ``T <= max_seq_len`` with learned positions.
+            idx: token ids ``(B, T)``, ``T <= max_seq_len`` with learned positions (with
+                ``cu_seqlens``: each document).
             padding_mask: bool ``(B, T)``, True for real tokens; padded keys are ignored.
+            cu_seqlens: int32 ``[0, n_1, ..., T]`` for ``B = 1``: packed documents. Positions
+                restart at 0 in each and every mixer restarts there: the logits (and their
+                gradients) equal separate forwards per document. Not with ``padding_mask``.
             logits_to_keep: the logits of the last ``logits_to_keep`` positions only (0: all).
 
         Returns:
@@ -374,7 +442,8 @@ class TransformerLM(nn.Module):
         check_tokens(where, "idx", idx, ndim=2, vocab_size=self.config.vocab_size, in_forward=True)
         _check_padding_mask(where, padding_mask, idx)
         check_positive_int(where, "logits_to_keep", logits_to_keep, allow_zero=True)
-        return self.head(_last(self.backbone(idx, padding_mask=padding_mask), logits_to_keep))
+        h = self.backbone(idx, padding_mask=padding_mask, cu_seqlens=cu_seqlens)
+        return self.head(_last(h, logits_to_keep))
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Number of parameters (a tied head counted once).
@@ -405,31 +474,48 @@ class TransformerLM(nn.Module):
         return self.backbone.init_cache(batch_size, **device_dtype)
 
     def prefill(
-        self, idx: torch.Tensor, *, logits_to_keep: int = 0
+        self,
+        idx: torch.Tensor,
+        *,
+        cache: DecodingCache | None = None,
+        logits_to_keep: int = 0,
     ) -> tuple[torch.Tensor, DecodingCache]:
-        """Feed a whole prompt in one parallel pass and return the cache to decode on from.
+        """Feed a whole prompt (or the next chunk after ``cache``) in one call; return the cache
+        to decode (or prefill) on from.
 
         Every block's mixer returns its decoding state from the same pass that computes the
         hidden states (:meth:`~aftlab.mixers.SequenceMixer.prefill`), instead of ``T`` calls of
         :meth:`step`; the cache equals theirs (within float rounding), and so do the logits that
-        follow. The one check of the call: ``idx`` (its ids on every device) and its length;
-        the blocks and mixers below do not check again.
+        follow. With ``cache`` at position ``p``, positions (learned, sinusoidal, rotary) run
+        ``p .. p + T - 1``: ``prefill(a)`` then ``prefill(b, cache=c)`` equals ``prefill(a + b)``
+        (logits, cache, the next :meth:`step`), within float rounding. Gradients flow through
+        the cache (``cache.detach()`` cuts them). The checks of the call: ``idx`` (its ids on
+        every device), ``cache`` (:meth:`TransformerBackbone.check_cache`) and the length; the
+        blocks and mixers below do not check again.
 
         Args:
-            idx: token ids ``(B, T)``, ``T >= 1``; ``T <= max_seq_len`` with learned positions or
-                a length-limited mixer (``aft-full``, ``aft-local``).
+            idx: token ids ``(B, T)``, ``T >= 1``; ``p + T <= max_seq_len`` with learned
+                positions or a length-limited mixer (``aft-full``, ``aft-local``); any length
+                otherwise.
+            cache: a :class:`DecodingCache` of this model (``init_cache``, ``prefill``,
+                ``step``) to continue, advanced in place and returned (as :meth:`step` does);
+                None starts at position 0.
             logits_to_keep: the logits of the last ``logits_to_keep`` positions only (0: all);
                 ``generate`` takes 1, the next token's.
 
         Returns:
-            ``(logits, cache)``: ``forward(idx)``'s ``(B, T, vocab_size)`` (its last
-            ``logits_to_keep`` positions) and the :class:`DecodingCache` at ``position = T``.
+            ``(logits, cache)``: the logits ``(B, T, vocab_size)`` of the ``T`` tokens (from an
+            empty cache ``forward(idx)``'s, bit for bit; their last ``logits_to_keep``
+            positions) and the :class:`DecodingCache` at ``position = p + T``.
         """
         where = type(self).__name__
         check_tokens(where, "idx", idx, ndim=2, vocab_size=self.config.vocab_size)
         check_positive_int(where, "logits_to_keep", logits_to_keep, allow_zero=True)
-        self.backbone.check_length(where, "idx", idx.shape[1])
-        h, cache = self.backbone.prefill_embeddings(self.backbone.token_embedding(idx))
+        if cache is not None:
+            self.backbone.check_cache(cache, idx, input_name="idx")
+        start = 0 if cache is None else cache.position
+        self.backbone.check_length(where, "idx", idx.shape[1], start=start)
+        h, cache = self.backbone.prefill_embeddings(self.backbone.token_embedding(idx), cache)
         return self.head(_last(h, logits_to_keep)), cache
 
     def step(self, tokens: torch.Tensor, cache: DecodingCache) -> torch.Tensor:

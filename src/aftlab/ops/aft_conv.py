@@ -57,9 +57,17 @@ import torch
 from .. import kernels
 from .._autograd import register_autograd_once
 from .._checks import check_compatible, check_padding_mask, check_tensor
+from ._band_state import (
+    check_band_state,
+    check_state_keywords,
+    continue_band,
+    reference_inputs,
+    run_band,
+)
 from ._numerics import compute_dtype, finite_shift, headroom, lse_merge, shift_along
 from .reference import biased_average_reference
 from .scan import _stable_prefix_average
+from .state import BandState
 
 __all__ = ["aft_conv", "aft_conv2d", "aft_conv_reference", "aft_conv2d_reference"]
 
@@ -391,7 +399,10 @@ def aft_conv(
     *,
     causal: bool = False,
     padding_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
+    initial_state: BandState | None = None,
+    return_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, BandState]:
     r"""AFT-conv over a sequence: a per-head conv kernel as AFT position bias.
 
     .. math::
@@ -414,13 +425,23 @@ def aft_conv(
         causal: restrict every sum to ``t' <= t``.
         padding_mask: bool ``(B, T)``, True for real tokens; padded keys contribute nothing and a
             query with no valid key gets 0.
+        initial_state: (causal) a :class:`~aftlab.ops.state.BandState` to continue: the ring of
+            the last ``s - 1`` keys ``(B, s - 1, h, ck)`` and values ``(B, s - 1, h, c)`` and
+            the running sums of the keys before them (``gone.p, gone.b (B, h, ck)``); None: the
+            empty state.
+        return_state: (causal) also return the state after the last position.
+        cu_seqlens: (causal) int32 offsets ``[0, n_1, ..., T]`` of documents packed into a batch
+            of one row, each restarting from the empty state (the first continuing
+            ``initial_state``); the state returned is the last document's.
 
     Returns:
-        ``Y``: ``(B, T, h, c)`` in ``q``'s dtype (computed in float32 for fp16/bf16).
+        ``Y``: ``(B, T, h, c)`` in ``q``'s dtype (computed in float32 for fp16/bf16); with
+        ``return_state``, ``(Y, state)``, the state in the compute dtype.
 
     Raises:
-        ValueError: wrong ranks/shapes, an even kernel for non-causal, a device mismatch.
-        TypeError: non-float or mismatched dtypes, a non-bool mask.
+        ValueError: wrong ranks/shapes, an even kernel for non-causal, a device mismatch, a
+            state keyword on a non-causal call, bad ``cu_seqlens``, a state of another shape.
+        TypeError: non-float or mismatched dtypes, a non-bool mask, a state not a BandState.
 
     Example:
         >>> q = v = torch.randn(2, 10, 4, 8); k = torch.randn(2, 10, 4, 1)
@@ -429,12 +450,39 @@ def aft_conv(
     """
     where = "aft_conv"
     s = _check_inputs(where, q, k, v, w, padding_mask, grid=False)
+    stateful = check_state_keywords(where, causal, initial_state, return_state, cu_seqlens)
     if not causal and s % 2 == 0:
         raise ValueError(
             f"{where}: a non-causal kernel must have odd size s (centred), "
             f"got 'w' of shape {tuple(w.shape)}"
         )
-    return _aft_conv(q, k, v, w, causal=causal, padding_mask=padding_mask)
+    if not stateful:
+        return _aft_conv(q, k, v, w, causal=causal, padding_mask=padding_mask)
+    B, _, h, c = q.shape
+    ck = k.shape[-1]
+    if initial_state is not None:
+        check_band_state(
+            where, initial_state, q, window=s, window_name="kernel size",
+            value_shape=(h, c), key_shape=(h, ck),
+        )
+
+    def chunk(a: int, b: int, state: BandState | None, want: bool):
+        def call(qx, kx, vx, mx, n):
+            return _aft_conv(qx, kx, vx, w.to(qx.dtype), causal=True, padding_mask=mx)
+
+        def empty() -> BandState:
+            return BandState.empty(
+                B, s, (h, c), key_shape=(h, ck), device=q.device, dtype=q.dtype
+            )
+
+        mask = None if padding_mask is None else padding_mask[:, a:b]
+        qc, kc, vc = q[:, a:b], k[:, a:b], v[:, a:b]
+        return continue_band(call, qc, kc, vc, mask, state, want, empty)
+
+    return run_band(
+        where, q, chunk, initial_state=initial_state, return_state=return_state,
+        cu_seqlens=cu_seqlens,
+    )
 
 
 def _aft_conv(q, k, v, w, *, causal: bool, padding_mask):
@@ -504,12 +552,19 @@ def _aft_conv2d(q, k, v, w, *, padding_mask):
 
 
 # --------------------------------------------------------------------------- references
-def aft_conv_reference(q, k, v, w, *, causal: bool = False, padding_mask=None) -> torch.Tensor:
+def aft_conv_reference(
+    q, k, v, w, *, causal: bool = False, padding_mask=None, initial_state=None
+) -> torch.Tensor:
     """Float64 per-position loop straight from the formula of :func:`aft_conv` (slow; for tests).
 
     Builds each query's Toeplitz bias row ``w_{t,t'} = w[:, t' - t + l]`` inside the kernel and
-    0 outside, then ``sigma(q_t) * sum_{t'} softmax_{t'}(k_{t'} + w_{t,t'}) v_{t'}``.
+    0 outside, then ``sigma(q_t) * sum_{t'} softmax_{t'}(k_{t'} + w_{t,t'}) v_{t'}``. With
+    ``initial_state`` (causal): the ring's ``s - 1`` keys are real keys just before the chunk
+    (kernel entries by their offsets) and ``gone`` is every row's ``past``.
     """
+    if initial_state is not None and not causal:
+        raise ValueError("aft_conv_reference: 'initial_state' needs causal=True, got causal=False")
+    q, k, v, padding_mask, past, r = reference_inputs(initial_state, q, k, v, padding_mask)
     B, T = q.shape[:2]
     h, s = w.shape
     lo = s - 1 if causal else s // 2
@@ -518,10 +573,15 @@ def aft_conv_reference(q, k, v, w, *, causal: bool = False, padding_mask=None) -
     inside = (j >= 0) & (j < s)
     bias = torch.where(inside[None], w.double()[:, j.clamp(0, s - 1)], 0.0)  # (h, T, T)
     rows = [b.T[:, :, None] for b in bias.unbind(1)]  # (T, h, 1) per query; unbind: one backward
-    return biased_average_reference(
+    if past is not None:
+        L, A = (x.cpu() for x in past(0))
+        past = lambda t: (L, A)  # noqa: E731
+    y = biased_average_reference(
         q.cpu(), k.cpu(), v.cpu(), rows.__getitem__,
         causal=causal, padding_mask=None if padding_mask is None else padding_mask.cpu(),
+        past=past,
     )
+    return y[:, r:]
 
 
 def aft_conv2d_reference(q, k, v, w, *, padding_mask=None) -> torch.Tensor:

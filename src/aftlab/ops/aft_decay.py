@@ -22,6 +22,12 @@ of opposite signs near the largest float).
 On CPU tensors the op runs the fused C++ kernel ``torch.ops.aftlab.decay`` (RWKV's WKV
 recurrence with a running maximum, one pass forward and one reverse pass backward;
 :mod:`aftlab.kernels`) when it is available, else the PyTorch implementation below.
+
+The op continues a :class:`~aftlab.ops.state.RunningSums` (``initial_state``: the sums over
+the keys before the call, ``t' < 0``, weighed as query 0 sees them, ``exp((1 + t') lambda +
+K_t')``: what the mixer's decoding ``fold`` reaches), returns the one after its last position
+(``return_state``) and restarts at the documents of ``cu_seqlens``
+(:mod:`aftlab.ops._scan_state`, docs/aft.md "State across calls").
 """
 
 from __future__ import annotations
@@ -31,8 +37,10 @@ import torch
 from .. import kernels
 from .._checks import check_qkv, check_tensor
 from ._numerics import compute_dtype
-from .reference import biased_average_reference
+from ._scan_state import run_scan
+from .reference import biased_average_reference, running_sums_past
 from .scan import _stable_prefix_average, check_decay
+from .state import RunningSums
 
 __all__ = ["aft_decay", "aft_decay_reference"]
 
@@ -52,7 +60,10 @@ def aft_decay(
     bonus: torch.Tensor,
     *,
     padding_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
+    initial_state: RunningSums | None = None,
+    return_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, RunningSums]:
     """Causal AFT with exponential decay (RWKV's WKV), gated by ``sigma(Q)``.
 
     Args:
@@ -63,24 +74,47 @@ def aft_decay(
         bonus: per-channel bonus ``u`` of the current token, ``(d,)`` (differentiable).
         padding_mask: bool ``(B, T)``, True for real tokens; padded keys contribute nothing and a
             position with no valid key (itself included) gets 0.
+        initial_state: the :class:`~aftlab.ops.state.RunningSums` ``(B, d)`` of the keys
+            before this call: at query ``t`` its keys ``t' < 0`` weigh
+            ``exp(-(t-1-t') lambda + K_t')`` (no bonus); None: none.
+        return_state: also return the state after the last position.
+        cu_seqlens: int32 offsets ``[0, n_1, ..., T]`` of documents packed into a batch of one
+            row; each restarts from the empty state at position 0 (``initial_state`` continues
+            the first, the state returned is the last's).
 
     Returns:
-        ``Y``, ``(B, T, d)`` in the dtype of ``q`` (float16/bfloat16 are computed in float32).
+        ``Y``, ``(B, T, d)`` in the dtype of ``q`` (float16/bfloat16 are computed in float32);
+        ``(Y, state)`` with ``return_state``, the state in the compute dtype, its ``position``
+        advanced by ``T``.
 
     Raises:
         ValueError: a negative or non-finite ``decay`` (its values are read only on the CPU
             outside ``torch.compile``: :func:`~aftlab.ops.scan.check_decay`); wrong ranks,
-            shapes or devices.
-        TypeError: non-tensor or non-float inputs, mismatched dtypes of ``q, k, v``.
+            shapes or devices; a state of another batch size, width or device; bad
+            ``cu_seqlens`` (:func:`~aftlab.ops._packed.check_cu_seqlens`).
+        TypeError: non-tensor or non-float inputs, mismatched dtypes of ``q, k, v``; a state
+            of another type, or with a non-floating field.
     """
     where = "aft_decay"
     check_qkv(where, q, k, v, padding_mask)
     _check_decay_bonus(where, q, decay, bonus)
-    return _aft_decay(q, k, v, decay, bonus, padding_mask=padding_mask)
+    return _aft_decay(q, k, v, decay, bonus, padding_mask=padding_mask,
+                      initial_state=initial_state, return_state=return_state,
+                      cu_seqlens=cu_seqlens)
 
 
-def _aft_decay(q, k, v, decay, bonus, *, padding_mask):
-    """:func:`aft_decay` without the checks (the mixer's call: its input is validated)."""
+def _aft_decay(q, k, v, decay, bonus, *, padding_mask, initial_state=None, return_state=False,
+               cu_seqlens=None):
+    """:func:`aft_decay` without the checks of ``q, k, v, decay, bonus`` (the mixer's call: its
+    input is validated); the state and ``cu_seqlens`` are checked."""
+    if initial_state is not None or return_state or cu_seqlens is not None:
+        def core(q, k, v, mask):
+            return _aft_decay(q, k, v, decay, bonus, padding_mask=mask)
+
+        return run_scan(
+            "aft_decay", core, q, k, v, decay, padding_mask=padding_mask,
+            initial_state=initial_state, return_state=return_state, cu_seqlens=cu_seqlens,
+        )
     if kernels.enabled(q, decay, bonus):
         return kernels.scan.aft_decay(q, k, v, decay, bonus, padding_mask=padding_mask)
     return _aft_decay_torch(q, k, v, decay, bonus, padding_mask=padding_mask)
@@ -115,13 +149,16 @@ def aft_decay_reference(
     bonus: torch.Tensor,
     *,
     padding_mask: torch.Tensor | None = None,
+    initial_state: RunningSums | None = None,
 ) -> torch.Tensor:
     """Float64 per-position loop straight from the formula (slow; for tests).
 
     :func:`~aftlab.ops.reference.biased_average_reference`, causal, with the per-channel bias
     ``b_{t,t'} = -(t - 1 - t') lambda`` for ``t' < t`` and ``b_{t,t} = u``: ``Y_t = sigma(Q_t) *
     sum_{t' <= t} exp(K_t' + b_{t,t'}) V_t' / sum_{t' <= t} exp(K_t' + b_{t,t'})``, 0 if no
-    ``t'`` is valid. Returns float64 ``(B, T, d)``.
+    ``t'`` is valid. An ``initial_state`` adds its keys ``t' < 0`` as one term per row, their
+    log-sum decayed by ``t``: ``L - t lambda`` with ``L = p + log b``, average ``A = a / b``.
+    Returns float64 ``(B, T, d)``.
     """
     lam, u = decay.double().to(q.device), bonus.double().to(q.device)
     pos = torch.arange(q.shape[1], dtype=torch.float64, device=q.device)[:, None]
@@ -129,4 +166,7 @@ def aft_decay_reference(
     def bias_row(t: int) -> torch.Tensor:  # (T, d); rows t' > t are never seen
         return torch.where(pos < t, -(t - 1 - pos) * lam, u)
 
-    return biased_average_reference(q, k, v, bias_row, causal=True, padding_mask=padding_mask)
+    past = None if initial_state is None else running_sums_past(initial_state, lam)
+    return biased_average_reference(
+        q, k, v, bias_row, causal=True, padding_mask=padding_mask, past=past
+    )

@@ -36,11 +36,19 @@ import torch
 
 from .. import kernels
 from .._checks import check_compatible, check_positive_int, check_qkv, check_tensor
+from ._band_state import (
+    check_band_state,
+    check_state_keywords,
+    continue_band,
+    reference_inputs,
+    run_band,
+)
 from ._numerics import compute_dtype, headroom, shift_along
 from .aft_full import check_aft_inputs
 from .lse_average import Geometry, lse_average
 from .reference import biased_average_reference
 from .scan import _stable_prefix_average
+from .state import BandState
 
 __all__ = ["aft_local", "aft_local_band", "aft_local_reference", "band_geometry", "band_of"]
 
@@ -60,10 +68,17 @@ def band_of(w: torch.Tensor, T: int, window: int, *, causal: bool = False) -> to
     Entries whose key falls outside ``[0, T)`` are filled with 0 (never used).
     """
     geo = band_geometry(T, window, causal=causal)
-    t = torch.arange(T, device=w.device)[:, None]
-    cols = t + torch.arange(geo.W, device=w.device)[None, :] - geo.beta
-    inside = (cols >= 0) & (cols < T)
-    return w[:T, :T].gather(1, cols.clamp(0, T - 1)).masked_fill(~inside, 0.0)
+    return _band_rows(w, 0, T, geo.W, geo.beta)
+
+
+def _band_rows(w: torch.Tensor, start: int, T: int, W: int, beta: int) -> torch.Tensor:
+    """``(T, W)``: ``out[t, j] = w[start + t, start + t + j - beta]``, 0 where that key falls
+    outside ``[0, start + T)``: the band of the absolute rows ``start .. start + T - 1``."""
+    n = start + T
+    t = torch.arange(start, n, device=w.device)[:, None]
+    cols = t + torch.arange(W, device=w.device)[None, :] - beta
+    inside = (cols >= 0) & (cols < n)
+    return w[start:n, :n].gather(1, cols.clamp(0, n - 1)).masked_fill(~inside, 0.0)
 
 
 def aft_local_band(
@@ -75,29 +90,103 @@ def aft_local_band(
     *,
     causal: bool = False,
     padding_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
+    initial_state: BandState | None = None,
+    return_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, BandState]:
     """AFT-local with the bias given as its band only (what the mixer uses; no ``T x T`` tensor).
 
     Args:
         q, k, v: ``(B, T, d)``.
         w_band: ``(T, W)`` with ``w_band[t, j] = w_{t, t + j - (s - 1)}``, ``s = min(window, T)``,
             ``W = 2s - 1`` (``s`` when causal); see :func:`band_of`. Ignored when ``window == 0``.
+            With a state keyword the band is ``window`` wide, ``(T, window)``: row ``t`` holds
+            the biases of the chunk's position ``t`` (absolute position
+            ``initial_state.position + t``), its column ``j`` key ``t + j - (window - 1)``,
+            reaching back into the state's ring. With ``cu_seqlens``, ``(R, window)``, one row
+            per in-document position: document ``i`` uses rows ``0 .. n_i - 1`` (the first,
+            continuing ``initial_state``, rows ``position .. position + n_1 - 1``).
         window: ``s >= 0``.
         causal: restrict to ``t' <= t``.
         padding_mask: optional bool ``(B, T)``, True for real tokens.
+        initial_state, return_state, cu_seqlens: as for :func:`aft_local` (causal only).
 
     Returns:
-        ``(B, T, d)`` in the dtype of ``q``.
+        ``(B, T, d)`` in the dtype of ``q``; with ``return_state``, ``(y, state)``.
     """
     where = "aft_local"
     check_qkv(where, q, k, v, padding_mask)
     check_positive_int(where, "window", window, allow_zero=True)
     T = q.shape[1]
-    if T and window:
-        geo = band_geometry(T, window, causal=causal)
-        check_tensor(where, "w_band", w_band, shape=(T, geo.W), floating=True)
+    if not check_state_keywords(where, causal, initial_state, return_state, cu_seqlens):
+        if T and window:
+            geo = band_geometry(T, window, causal=causal)
+            check_tensor(where, "w_band", w_band, shape=(T, geo.W), floating=True)
+            check_compatible(where, {"q": q, "w_band": w_band})
+        return _aft_local_band(q, k, v, w_band, window, causal=causal, padding_mask=padding_mask)
+    if window:
+        check_tensor(where, "w_band", w_band, ndim=2, floating=True)
+        if w_band.shape[1] != window or (cu_seqlens is None and w_band.shape[0] != T):
+            rows = f"T = {T}" if cu_seqlens is None else "R >= the longest document"
+            raise ValueError(
+                f"{where}: with a state or cu_seqlens 'w_band' must have shape ({rows}, "
+                f"window = {window}) (the band is window wide: the state's ring holds the keys "
+                f"before the chunk), got {tuple(w_band.shape)}"
+            )
         check_compatible(where, {"q": q, "w_band": w_band})
-    return _aft_local_band(q, k, v, w_band, window, causal=causal, padding_mask=padding_mask)
+    _check_state(where, initial_state, q, window)
+
+    def chunk(a: int, b: int, state: BandState | None, want: bool):
+        rows = w_band
+        if window and b > a:
+            r0 = 0 if state is None or cu_seqlens is None else state.position
+            if r0 + b - a > w_band.shape[0]:
+                raise ValueError(
+                    f"{where}: 'w_band' holds one row per in-document position, "
+                    f"{w_band.shape[0]} rows, but a document reaches position {r0 + b - a - 1}"
+                )
+            rows = w_band[r0 : r0 + b - a]
+        return _local_chunk(q, k, v, rows, window, a, b, state, want, padding_mask)
+
+    return run_band(
+        where, q, chunk, initial_state=initial_state, return_state=return_state,
+        cu_seqlens=cu_seqlens,
+    )
+
+
+def _check_state(where: str, state: object, q: torch.Tensor, window: int) -> None:
+    """Validate an aft-local ``initial_state`` (None passes): :func:`check_band_state`."""
+    if state is not None:
+        d = q.shape[2:]
+        check_band_state(
+            where, state, q, window=window, window_name="window", value_shape=d, key_shape=d
+        )
+
+
+def _local_chunk(q, k, v, rows, window: int, a: int, b: int, state, want: bool, padding_mask):
+    """Causal AFT-local on positions ``a .. b - 1`` continuing ``state`` (None: empty).
+
+    ``rows`` ``(b - a, window)`` are the band rows of those positions, ``window`` wide (the
+    state's ring supplies the keys before the chunk); prepended positions get zero rows.
+    """
+    q, k, v = q[:, a:b], k[:, a:b], v[:, a:b]
+    mask = None if padding_mask is None else padding_mask[:, a:b]
+    T = b - a
+    if window and T == 0:
+        rows = rows.new_zeros(0, window)
+
+    def call(qx, kx, vx, mx, n):
+        wb = rows
+        if window and n:
+            wb = torch.cat([rows.new_zeros(n, window), rows], 0).to(qx.dtype)
+        elif window:  # the chunk alone: its band is min(window, T) wide
+            wb = rows[:, window - min(window, T) :]
+        return _aft_local_band(qx, kx, vx, wb, window, causal=True, padding_mask=mx)
+
+    def empty() -> BandState:
+        return BandState.empty(q.shape[0], window, q.shape[2], device=q.device, dtype=q.dtype)
+
+    return continue_band(call, q, k, v, mask, state, want, empty)
 
 
 def _aft_local_band(q, k, v, w_band, window: int, *, causal: bool, padding_mask):
@@ -156,7 +245,10 @@ def aft_local(
     *,
     causal: bool = False,
     padding_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
+    initial_state: BandState | None = None,
+    return_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, BandState]:
     """AFT-local (causal: ``t' <= t``)::
 
         Y_t = sigma(Q_t) * sum_t' exp(K_t' + w'_{t,t'}) V_t' / sum_t' exp(K_t' + w'_{t,t'})
@@ -167,31 +259,69 @@ def aft_local(
     on the kernel); ``O(B T s d)`` time, ``O(B T d + T s)`` memory (only the band of ``w`` is
     read).
 
+    Causal, a call continues a :class:`~aftlab.ops.state.BandState` (the ring of the last
+    ``window - 1`` keys and values and the running sums of the keys that left the window): a
+    sequence run in chunks with the state passed along gives the one-pass outputs and state.
+
     Args:
         q, k, v: ``(B, T, d)``.
-        w: ``(T', T')`` position biases with ``T' >= T``; only its band is used.
+        w: ``(T', T')`` position biases with ``T' >= T``; only its band is used. Indexed by
+            absolute position: a chunk continuing ``initial_state`` has the rows (and its keys
+            the columns) ``position .. position + T - 1``, so ``T' >= position + T``.
         window: ``s >= 0``.
         causal: restrict every sum to ``t' <= t``.
         padding_mask: optional bool ``(B, T)``, True for real tokens.
+        initial_state: (causal) the state to continue; None: the empty state at position 0.
+        return_state: (causal) also return the state after the last position.
+        cu_seqlens: (causal) int32 offsets ``[0, n_1, ..., T]`` of documents packed into a batch
+            of one row; each restarts from the empty state at position 0 (``w``'s rows and
+            columns ``0 .. n_i - 1``), the first continuing ``initial_state`` if given, and the
+            state returned is the last document's (:mod:`aftlab.ops._packed`).
 
     Returns:
-        ``(B, T, d)`` in the dtype of ``q``.
+        ``(B, T, d)`` in the dtype of ``q``; with ``return_state``, ``(y, state)`` (the state
+        in the compute dtype: float32 for float16/bfloat16).
 
     Raises:
-        ValueError: ``window < 0``, or shapes that do not match.
+        ValueError: ``window < 0``, shapes that do not match, a ``w`` smaller than
+            ``position + T``, a state keyword on a non-causal call, bad ``cu_seqlens``.
+        TypeError: an ``initial_state`` that is not a BandState.
 
     Example:
         >>> q, k, v = torch.randn(3, 2, 9, 4).unbind(0)
         >>> aft_local(q, k, v, torch.randn(9, 9), 3, causal=True).shape
         torch.Size([2, 9, 4])
     """
-    check_aft_inputs("aft_local", q, k, v, w, padding_mask)
-    check_positive_int("aft_local", "window", window, allow_zero=True)
-    T = q.shape[1]
-    if T == 0:
-        return q * 0.0
-    w_band = band_of(w, T, max(window, 1), causal=causal)
-    return _aft_local_band(q, k, v, w_band, window, causal=causal, padding_mask=padding_mask)
+    where = "aft_local"
+    if not check_state_keywords(where, causal, initial_state, return_state, cu_seqlens):
+        check_aft_inputs(where, q, k, v, w, padding_mask)
+        check_positive_int(where, "window", window, allow_zero=True)
+        T = q.shape[1]
+        if T == 0:
+            return q * 0.0
+        w_band = band_of(w, T, max(window, 1), causal=causal)
+        return _aft_local_band(q, k, v, w_band, window, causal=causal, padding_mask=padding_mask)
+    check_qkv(where, q, k, v, padding_mask)
+    check_positive_int(where, "window", window, allow_zero=True)
+    check_tensor(where, "w", w, ndim=2, floating=True)
+    check_compatible(where, {"q": q, "w": w})
+    _check_state(where, initial_state, q, window)
+
+    def chunk(a: int, b: int, state: BandState | None, want: bool):
+        P = 0 if state is None else state.position
+        if min(w.shape) < P + b - a:
+            raise ValueError(
+                f"{where}: 'w' must have shape (T', T') with T' >= position + T = {P} + "
+                f"{b - a} = {P + b - a} (its rows and columns are absolute positions), "
+                f"got {tuple(w.shape)}"
+            )
+        rows = _band_rows(w, P, b - a, window, window - 1) if window and b > a else w
+        return _local_chunk(q, k, v, rows, window, a, b, state, want, padding_mask)
+
+    return run_band(
+        where, q, chunk, initial_state=initial_state, return_state=return_state,
+        cu_seqlens=cu_seqlens,
+    )
 
 
 def aft_local_reference(
@@ -203,14 +333,25 @@ def aft_local_reference(
     *,
     causal: bool = False,
     padding_mask: torch.Tensor | None = None,
+    initial_state: BandState | None = None,
 ) -> torch.Tensor:
     """Slow float64 AFT-local: builds ``w'`` (``w`` inside ``|t - t'| < window``, 0 outside) and
-    loops over query positions. Returns ``(B, T, d)`` float64."""
-    check_positive_int("aft_local_reference", "window", window, allow_zero=True)
-    T = q.shape[1]
-    t = torch.arange(T, device=q.device)
-    inside = (t[:, None] - t[None, :]).abs() < window
-    w_local = torch.where(inside, w[:T, :T].double(), 0.0).unsqueeze(-1)  # (T, T, 1)
-    return biased_average_reference(
-        q, k, v, w_local.__getitem__, causal=causal, padding_mask=padding_mask
+    loops over query positions. Returns ``(B, T, d)`` float64.
+
+    With ``initial_state`` (causal): the ring's keys are real keys before the chunk, at their
+    absolute positions ``position - r .. position - 1`` with their biases ``w`` (the chunk's
+    rows ``position .. position + T - 1``), and ``gone`` is every row's ``past``."""
+    where = "aft_local_reference"
+    check_positive_int(where, "window", window, allow_zero=True)
+    if initial_state is not None and not causal:
+        raise ValueError(f"{where}: 'initial_state' needs causal=True, got causal=False")
+    P = 0 if initial_state is None else initial_state.position
+    q, k, v, padding_mask, past, r = reference_inputs(initial_state, q, k, v, padding_mask)
+    t = torch.arange(P - r, P + q.shape[1] - r, device=q.device)  # absolute positions
+    inside = ((t[:, None] - t[None, :]).abs() < window) & (t[:, None] >= 0) & (t[None, :] >= 0)
+    tc = t.clamp_min(0)
+    w_local = torch.where(inside, w.double()[tc][:, tc], 0.0).unsqueeze(-1)  # (T, T, 1)
+    y = biased_average_reference(
+        q, k, v, w_local.__getitem__, causal=causal, padding_mask=padding_mask, past=past
     )
+    return y[:, r:]

@@ -13,6 +13,10 @@ future keys). Time and memory ``O(B T d)``.
 On CPU tensors the op runs the fused C++ kernel ``torch.ops.aftlab.simple_causal`` /
 ``simple_global`` (one pass over T forward, one reverse pass backward; :mod:`aftlab.kernels`)
 when it is available, else the PyTorch implementation below; both compute the same formula.
+
+Causal, the op continues a :class:`~aftlab.ops.state.RunningSums` (``initial_state``), returns
+the one after its last position (``return_state``) and restarts at the documents of
+``cu_seqlens`` (:mod:`aftlab.ops._scan_state`, docs/aft.md "State across calls").
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ import torch
 from .. import kernels
 from .._checks import check_qkv
 from ._numerics import compute_dtype, finite_shift
-from .reference import biased_average_reference
+from ._scan_state import run_scan
+from .reference import biased_average_reference, running_sums_past
 from .scan import _stable_prefix_average
+from .state import RunningSums
 
 __all__ = ["aft_simple", "aft_simple_reference"]
 
@@ -35,7 +41,10 @@ def aft_simple(
     *,
     causal: bool = False,
     padding_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
+    initial_state: RunningSums | None = None,
+    return_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, RunningSums]:
     """AFT-simple: ``Y_t = sigma(Q_t) * sum_t' softmax_t'(K)_t' V_t'`` (``t' <= t`` if causal).
 
     Args:
@@ -45,22 +54,55 @@ def aft_simple(
         causal: restrict the sum to ``t' <= t``.
         padding_mask: bool ``(B, T)``, True for real tokens; padded keys contribute nothing and a
             query with no valid key gets 0.
+        initial_state: causal only: the :class:`~aftlab.ops.state.RunningSums` ``(B, d)`` of
+            the keys before this call (``t' < 0``), as one more term of every sum; None: none.
+        return_state: causal only: also return the state after the last position.
+        cu_seqlens: causal only: int32 offsets ``[0, n_1, ..., T]`` of documents packed into a
+            batch of one row; each restarts from the empty state (``initial_state`` continues
+            the first, the state returned is the last's).
 
     Returns:
-        ``Y``, ``(B, T, d)`` in the input dtype (float16/bfloat16 are computed in float32).
+        ``Y``, ``(B, T, d)`` in the input dtype (float16/bfloat16 are computed in float32);
+        ``(Y, state)`` with ``return_state``, the state in the compute dtype, its ``position``
+        advanced by ``T``.
 
     Raises:
-        ValueError / TypeError: wrong ranks, shapes, dtypes or devices (naming the argument).
+        ValueError / TypeError: wrong ranks, shapes, dtypes or devices (naming the argument);
+            a state of another type or shape, bad ``cu_seqlens``; any of the three state
+            arguments with ``causal=False``.
     """
     check_qkv("aft_simple", q, k, v, padding_mask)
-    return _aft_simple(q, k, v, causal=causal, padding_mask=padding_mask)
+    return _aft_simple(q, k, v, causal=causal, padding_mask=padding_mask,
+                       initial_state=initial_state, return_state=return_state,
+                       cu_seqlens=cu_seqlens)
 
 
-def _aft_simple(q, k, v, *, causal: bool, padding_mask):
-    """:func:`aft_simple` without the checks (the mixer's call: its input is validated)."""
+def _aft_simple(q, k, v, *, causal: bool, padding_mask, initial_state=None, return_state=False,
+                cu_seqlens=None):
+    """:func:`aft_simple` without the checks of ``q, k, v`` (the mixer's call: its input is
+    validated); the state and ``cu_seqlens`` are checked (attributes, and ``cu_seqlens`` read on
+    the host)."""
+    if initial_state is not None or return_state or cu_seqlens is not None:
+        if not causal:
+            given = {"initial_state": initial_state is not None, "return_state": return_state,
+                     "cu_seqlens": cu_seqlens is not None}
+            name = next(n for n, g in given.items() if g)
+            raise ValueError(
+                f"aft_simple: '{name}' needs causal=True (the non-causal average has no state "
+                "across calls), got causal=False"
+            )
+        return run_scan(
+            "aft_simple", _causal_core, q, k, v, None, padding_mask=padding_mask,
+            initial_state=initial_state, return_state=return_state, cu_seqlens=cu_seqlens,
+        )
     if kernels.enabled(q):
         return kernels.scan.aft_simple(q, k, v, causal=causal, padding_mask=padding_mask)
     return _aft_simple_torch(q, k, v, causal=causal, padding_mask=padding_mask)
+
+
+def _causal_core(q, k, v, padding_mask):
+    """Causal :func:`aft_simple` from the empty state (what :func:`run_scan` continues)."""
+    return _aft_simple(q, k, v, causal=True, padding_mask=padding_mask)
 
 
 def _aft_simple_torch(q, k, v, *, causal: bool, padding_mask):
@@ -100,11 +142,17 @@ def aft_simple_reference(
     *,
     causal: bool = False,
     padding_mask: torch.Tensor | None = None,
+    initial_state: RunningSums | None = None,
 ) -> torch.Tensor:
     """Float64 per-position loop straight from the formula (slow; for tests).
 
     ``Y_t = sigma(Q_t) * sum_{t' in S_t} exp(K_t') V_t' / sum_{t' in S_t} exp(K_t')`` with ``S_t``
     the valid ``t'`` (``<= t`` if causal): :func:`~aftlab.ops.reference.biased_average_reference`
-    with no bias. ``Y_t = 0`` when ``S_t`` is empty. Returns float64 ``(B, T, d)``.
+    with no bias. ``Y_t = 0`` when ``S_t`` is empty. Causal, an ``initial_state`` adds the keys
+    ``t' < 0`` it summarises: ``exp(L)`` to the denominator and ``exp(L) A`` to the numerator,
+    ``L = p + log b``, ``A = a / b``. Returns float64 ``(B, T, d)``.
     """
-    return biased_average_reference(q, k, v, causal=causal, padding_mask=padding_mask)
+    if initial_state is not None and not causal:
+        raise ValueError("aft_simple_reference: 'initial_state' needs causal=True")
+    past = None if initial_state is None else running_sums_past(initial_state)
+    return biased_average_reference(q, k, v, causal=causal, padding_mask=padding_mask, past=past)

@@ -29,7 +29,9 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["biased_average_reference"]
+from .state import RunningSums
+
+__all__ = ["biased_average_reference", "running_sums_past", "running_sums_reference"]
 
 BiasRow = Callable[[int], torch.Tensor]
 #: ``t -> (L_t, A_t)``: the log-sum ``(B, *Fk)`` and average ``(B, *F)`` of the keys before the
@@ -94,3 +96,62 @@ def biased_average_reference(
         avg = torch.where(empty, 0.0, num / torch.where(empty, 1.0, den))
         rows.append(torch.sigmoid(q[:, t]) * avg)
     return torch.stack(rows, 1) if rows else q.new_zeros(q.shape)
+
+
+def running_sums_past(state: RunningSums, decay: torch.Tensor | None = None) -> PastRow:
+    """The :data:`PastRow` of a :class:`~aftlab.ops.state.RunningSums`, in float64: query ``t``
+    weighs the state's keys by ``exp(L - t lambda)`` (``lambda = 0`` without ``decay``) with
+    ``L = p + log b``, and their average is ``A = a / b`` (``L = -inf``, ``A = 0``: empty)."""
+    s64 = RunningSums(state.a.double(), state.b.double(), state.p.double())
+    L, A = s64.log_sum(), s64.average()
+    if decay is None:
+        return lambda t: (L, A)
+    lam = decay.double().to(L.device)
+    return lambda t: (L - t * lam, A)
+
+
+def running_sums_reference(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    decay: torch.Tensor | None = None,
+    padding_mask: torch.Tensor | None = None,
+    initial_state: RunningSums | None = None,
+) -> RunningSums:
+    """Float64 state after the tokens ``k, v: (B, T, d)`` (slow, obvious; for tests)::
+
+        L = log [sum_{t' valid} exp(K_t' - (T-1-t') lambda) + exp(L_0 - T lambda)]
+        A = [sum_{t' valid} exp(K_t' - (T-1-t') lambda - L) V_t' + exp(L_0 - T lambda - L) A_0]
+
+    with ``(L_0, A_0)`` the ``initial_state``'s log-sum and average (no term without one),
+    ``lambda = 0`` without ``decay``. Returned as ``RunningSums(a=A, b=1, p=L)`` (``a = b = 0``,
+    ``p = -inf`` when no key is seen), ``position`` = the initial one + ``T``: compare states
+    through :meth:`~RunningSums.log_sum` and :meth:`~RunningSums.average` (``(p, a, b)`` of one
+    state is not unique).
+    """
+    k, v = k.double(), v.double()
+    B, T, d = k.shape
+    lam = torch.zeros(d, dtype=torch.float64, device=k.device)
+    if decay is not None:
+        lam = decay.double().to(k.device)
+    terms = []  # (exponent, value) pairs, (B, d) each
+    if initial_state is not None:
+        L0, A0 = running_sums_past(initial_state, lam)(T)  # L_0 - T lambda
+        terms.append((L0, A0))
+    for t in range(T):
+        ok = torch.ones(B, 1, dtype=torch.bool, device=k.device)
+        if padding_mask is not None:
+            ok = padding_mask[:, t, None].to(k.device)
+        z = torch.where(ok, k[:, t] - (T - 1 - t) * lam, float("-inf"))
+        terms.append((z, torch.where(ok, v[:, t], 0.0)))
+    if not terms:
+        L, A = k.new_full((B, d), float("-inf")), v.new_zeros(B, d)
+    else:
+        Z = torch.stack([z for z, _ in terms], 1)  # (B, n, d)
+        L = torch.logsumexp(Z, 1)
+        shift = torch.where(torch.isfinite(L), L, 0.0)[:, None]
+        A = (torch.exp(Z - shift) * torch.stack([a for _, a in terms], 1)).sum(1)
+    empty = L == float("-inf")
+    position = T + (0 if initial_state is None else initial_state.position)
+    b = torch.where(empty, 0.0, torch.ones_like(L))
+    return RunningSums(a=torch.where(empty, 0.0, A), b=b, p=L, position=position)

@@ -39,8 +39,10 @@ def shifted_sums(
         p = max_t' z_t',   a = sum_t' exp(z_t' - p) V_t',   b = sum_t' exp(z_t' - p)
 
     ``z: (B, T, *Fk)``, ``v: (B, T, *F)`` with ``Fk`` broadcasting against ``F``; ``p, b``
-    ``(B, *Fk)``, ``a`` ``(B, *F)``; every ``exp`` is ``<= 1`` and the largest is 1. ``T = 0``
-    gives ``p = -inf``, ``a = b = 0`` (no token). This is the running ``(p, a, b)`` of an online
+    ``(B, *Fk)``, ``a`` ``(B, *F)``; every ``exp`` is ``<= 1`` and the largest is 1. A token
+    with ``z = -inf`` (a padded one) weighs exactly 0, and a row without a finite exponent
+    (``T = 0``, or every token padded) gives ``p = -inf``, ``a = b = 0`` (no token), with finite
+    gradients. This is the running ``(p, a, b)`` of an online
     log-sum-exp after the ``T`` tokens (its maximum is exact, its sums equal within rounding),
     computed as one reduction over ``T`` instead of ``T`` sequential updates.
 
@@ -54,7 +56,9 @@ def shifted_sums(
         a = v.new_zeros(v.shape[:1] + v.shape[2:])
         return torch.full_like(b, float("-inf")), a, b
     p = z.amax(1)
-    e = torch.exp((z - p[:, None]).clamp_min(_NEGLIGIBLE))
+    shift = p.masked_fill(p == float("-inf"), 0.0)  # no token: no -inf - -inf
+    e = torch.exp((z - shift[:, None]).clamp_min(_NEGLIGIBLE))
+    e = e.masked_fill(z == float("-inf"), 0.0)  # not raised to e^-60: a padded token weighs 0
     return p, (e * v).sum(1), e.sum(1)
 
 
@@ -133,8 +137,12 @@ class RunningSums:
         self.position += 1
 
     def log_sum(self) -> torch.Tensor:
-        """``L = p + log b``, ``(B, *Fk)``: ``-inf`` for the empty state."""
-        return self.p + torch.log(self.b)
+        """``L = p + log b``, ``(B, *Fk)``: ``-inf`` for the empty state (``b = 0``), with finite
+        gradients there (0)."""
+        tiny = torch.finfo(self.b.dtype).tiny
+        empty = self.b <= 0
+        L = self.p.masked_fill(empty, 0.0) + torch.log(self.b.clamp_min(tiny))
+        return torch.where(empty, float("-inf"), L)
 
     def average(self) -> torch.Tensor:
         """``A = a / b``, ``(B, *F)``: a convex combination of the values seen, 0 when empty."""

@@ -31,7 +31,8 @@ class AFTMixer(SequenceMixer):
 
     A subclass implements :meth:`_mix` (its forward pass, also returning the keys and values)
     and, when causal, :meth:`_state_after` (the state a prompt leaves): ``forward`` returns the
-    first's output, ``prefill`` that and the second's state, from one pass.
+    first's output, ``prefill`` that and the second's state, from one pass (from a given state,
+    by steps: ``SequenceMixer._prefill``).
 
     Shapes:
         :meth:`project` maps ``x: (B, T, d)`` (or ``(B, d)`` for one decoding step) to
@@ -53,8 +54,11 @@ class AFTMixer(SequenceMixer):
         """The output of :meth:`_mix`."""
         return self._mix(x, padding_mask)[0]
 
-    def _prefill(self, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """The output of :meth:`_mix` and the state reduced from its keys and values."""
+    def _prefill(self, x: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any]:
+        """From the empty state (None): the output of :meth:`_mix` and the state reduced from
+        its keys and values, one pass. From a given state: the base class's steps."""
+        if state is not None:
+            return super()._prefill(x, state)
         out, k, v = self._mix(x, None)
         return out, self._state_after(x, k, v)
 

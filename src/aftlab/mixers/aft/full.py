@@ -89,7 +89,9 @@ class AFTFull(AFTMixer):
             ``None`` for a full ``T_max x T_max`` bias.
         **common: see :class:`~aftlab.mixers.SequenceMixer`; ``max_seq_len`` is required.
 
-    Decoding keeps all past keys and values: ``O(t d)`` per token.
+    Decoding keeps all past keys and values: ``O(t d)`` per token. Continuing a state at
+    position ``t0`` (``prefill(x, state)``) is one pass of the op over all ``t0 + T`` keys;
+    positions past ``max_seq_len`` are refused.
     """
 
     length_limited = True
@@ -117,11 +119,44 @@ class AFTFull(AFTMixer):
 
     def _state_after(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> AFTFullState:
         """The state after the prompt: its keys and values in slots ``[0, T)``."""
-        state = self._init_state(x.shape[0], x.device, x.dtype)
-        T = x.shape[1]
-        state.k[:, :T], state.v[:, :T] = k, v  # cast to the state's dtype, as step() does
-        state.t = T
+        return self._state_of(k, v, x.dtype)
+
+    def _state_of(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> AFTFullState:
+        """The state after the tokens of ``k, v: (B, S, d)``: slots ``[0, S)``, position ``S``
+        (for inputs of ``dtype``; a fresh buffer, differentiable in ``k`` and ``v``)."""
+        state = self._init_state(k.shape[0], k.device, dtype)
+        S = k.shape[1]
+        state.k[:, :S], state.v[:, :S] = k, v  # cast to the state's dtype, as step() does
+        state.t = S
         return state
+
+    def _prefill(
+        self, x: torch.Tensor, state: AFTFullState | None
+    ) -> tuple[torch.Tensor, AFTFullState]:
+        """``x: (B, T, d)`` after the ``t0`` tokens of ``state`` (None: none), in one pass.
+
+        Rows ``t0 .. t0 + T - 1`` of the causal op on all ``S = t0 + T`` keys (the state's, then
+        the chunk's) with ``w[:S, :S]``; the queries of the ``t0`` earlier rows are zeros and
+        their outputs dropped (``Y_t`` reads only ``Q_t``). ``O(S^2 d)`` for ``T`` rows; the
+        state is not modified. Returns ``y`` and the state after the ``S`` tokens.
+        """
+        t0 = 0 if state is None else state.t
+        if not t0:
+            return super()._prefill(x, None)
+        S = t0 + x.shape[1]
+        self._check_position(S - 1)
+        q, k, v = self.project(x)
+        cd = state.k.dtype
+        k_all = torch.cat((state.k[:, :t0], k.to(cd)), 1)
+        v_all = torch.cat((state.v[:, :t0], v.to(cd)), 1)
+        q_all = torch.cat((q.new_zeros(q.shape[0], t0, q.shape[2]), q), 1)
+        qa, ka, va, w = self.match_dtypes(q_all, k_all, v_all, self.pos_bias.matrix(S))
+        y = _aft_full(qa, ka, va, w, causal=True, padding_mask=None)[:, t0:]
+        return self.output(y.to(q.dtype)), self._state_of(k_all, v_all, x.dtype)
+
+    def _state_position(self, state: AFTFullState) -> int:
+        """``state.t``: the tokens seen."""
+        return state.t
 
     def _init_state(
         self, batch_size: int, device: torch.device | str, dtype: torch.dtype
