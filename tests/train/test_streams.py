@@ -144,6 +144,40 @@ def test_the_trainer_runs_k_windows_per_step_from_the_carried_cache(tmp_path, mo
     assert summary["tokens_seen"] == 3 * 2 * 4 * T  # steps x windows x rows x tokens
 
 
+@pytest.mark.slow
+def test_two_processes_carry_the_state_of_their_streams_like_one(tmp_path):
+    import subprocess
+    import sys
+
+    from .helpers import ENV, run_aftlab
+    from .test_trainer import _free_port
+
+    data = write_text(tmp_path / "data.txt")
+    args = ["train", "--data", str(data), *TINY, "--steps", "3", "--set", "batch_size=8"]
+    args += ["--set", "sample_tokens=0", "--set", "carry_state=true"]
+    args += [x for pair in zip(["--set"] * 2, STATEFUL, strict=True) for x in pair]
+    one = run_aftlab(*args, "--out", str(tmp_path / "one"), cwd=tmp_path)
+    assert one.returncode == 0, one.stderr
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
+    torchrun += ["--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={_free_port()}"]
+    two = subprocess.run(
+        [*torchrun, "-m", "aftlab", *args, "--set", "grad_accum=2", "--out", str(tmp_path / "two")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**ENV, "MASTER_ADDR": "127.0.0.1"},
+    )
+    assert two.returncode == 0, two.stderr[-3000:]
+    losses = _train_losses(tmp_path / "one")
+    assert losses == pytest.approx(_train_losses(tmp_path / "two"), abs=1e-5)
+    a = load_carried_state(latest_checkpoint(tmp_path / "one"))
+    b = load_carried_state(latest_checkpoint(tmp_path / "two"))  # gathered from both ranks
+    assert a[1] == b[1] and a[1]["batch_size"] == 8 and a[0].keys() == b[0].keys()
+    for name in a[0]:
+        torch.testing.assert_close(a[0][name], b[0][name], rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [

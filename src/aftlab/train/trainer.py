@@ -403,9 +403,9 @@ class Trainer:
         why = stream_refusal(self.model)
         if why is not None:
             raise UsageError(
-                f"carry_state: a {cfg.mixer} model cannot carry its state along a stream: {why}; "
-                "carry_state needs a causal model whose state has a fixed size (aft-simple, "
-                "aft-decay, aft-conv, with model.positional = 'none' or 'sinusoidal')"
+                f"carry_state: this {cfg.mixer} model cannot carry its state along a stream: "
+                f"{why}; carry_state needs a causal model whose state has a fixed size "
+                "(aft-simple, aft-decay, aft-conv, with model.positional = 'none' or 'sinusoidal')"
             )
         if self._sharded:
             raise UsageError(
