@@ -72,7 +72,10 @@ def test_step_by_step_equals_forward(kernel_size, key_scale):
     x[:, -1] *= 3  # a large key last
     y = m(x)
     steps, state = decode(m, x)
-    assert state.pos == 11
+    assert state.position == 11  # a BandState: the ring of the last s - 1 tokens, one key a head
+    r = kernel_size - 1
+    assert state.k.shape == (2, r, 3, 1) and state.v.shape == (2, r, 3, 4)
+    assert state.valid.all() and state.gone.b.shape == (2, 3, 1) and state.gone.a.shape == (2, 3, 4)
     assert torch.isfinite(y).all()
     assert_close("steps", steps, y)
 

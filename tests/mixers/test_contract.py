@@ -19,6 +19,7 @@ import torch
 
 from aftlab.mixers import available_mixers, build_mixer, get_mixer_class
 from aftlab.mixers.base import GROWS
+from aftlab.ops.state import BandState, RunningSums
 from aftlab.testing import assert_close, assert_same_state, decode, perturb_parameters
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -114,6 +115,33 @@ def test_chunked_prefill_equals_one_prefill(name, sizes):
         assert_close(f"{name} next step", m.step(nxt, s)[0], m.step(nxt, state)[0])
         _, s = m.prefill(x[:, :5])  # state= alone: the outputs only
         assert_close(f"{name} forward(state=)", m(x[:, 5:], state=s), y[:, 5:])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_prefill_of_one_token_is_a_step(name):
+    """Prefill in chunks of one token is decoding: each chunk's output and state equal those of
+    ``step`` from the same state (field by field), and the chain of prefills carries the
+    forward's gradients (float64); so does the chain of steps of an op's state (running sums,
+    band states: steps without in-place writes; a cache's step writes its buffer in place)."""
+    m = _mixer(name)
+    x = _x(B, T).requires_grad_()
+    g = _x(B, T)
+    ys_step, ys_prefill = [], []
+    s_step, s_prefill = m.init_state(B), m.init_state(B)  # step may update its state in place
+    for t in range(T):
+        y_s, s_step = m.step(x[:, t], s_step)
+        y_p, s_prefill = m.prefill(x[:, t : t + 1], s_prefill)
+        assert_close(f"{name} token {t}", y_p[:, 0], y_s)
+        assert_same_state(f"{name} state after token {t}", s_prefill, s_step, F64)
+        ys_step.append(y_s)
+        ys_prefill.append(y_p[:, 0])
+    (expected,) = torch.autograd.grad((m(x) * g).sum(), x)
+    chains = [("one-token prefills", ys_prefill)]
+    if isinstance(s_step, (RunningSums, BandState)):
+        chains.append(("steps", ys_step))
+    for how, ys in chains:
+        (grad,) = torch.autograd.grad((torch.stack(ys, 1) * g).sum(), x, retain_graph=True)
+        assert_close(f"{name} gradient through {how}", grad, expected)
 
 
 @pytest.mark.parametrize("name, causal", CASES)

@@ -42,6 +42,21 @@ def test_a_state_of_another_mixer_is_refused(name):
             m.step(_x(), state)
 
 
+def test_band_states_name_their_type_and_their_layout():
+    """aft-local and aft-conv both decode on the op's BandState: a scan state is refused by
+    type, and the other mixer's BandState by the field whose layout differs."""
+    local, conv = _mixer("aft-local"), _mixer("aft-conv")
+    for m in (local, conv):
+        assert type(m.init_state(2)).__name__ == "BandState"
+        with pytest.raises(TypeError, match=r"'state' must be a BandState, got RunningSums$"):
+            m.step(_x(), _mixer("aft-simple").init_state(2))
+    wrong = r"'state\.gone\.a' must have \d dimensions \({}\), got \d with shape \({}\)"
+    with pytest.raises(ValueError, match=wrong.format("2, 12", "2, 3, 4")):
+        local.step(_x(), conv.init_state(2))
+    with pytest.raises(ValueError, match=wrong.format("2, 3, 4", "2, 12")):
+        conv.step(_x(), local.init_state(2))
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_a_state_of_another_size_is_refused(name):
     m = _mixer(name)

@@ -418,25 +418,15 @@ def _tensors_of(state) -> list[torch.Tensor]:
     return found
 
 
-def _grad_case(name, kw, xfail=""):
-    marks = [pytest.mark.xfail(strict=True, raises=RuntimeError, reason=xfail)] if xfail else []
-    return pytest.param(name, kw, marks=marks, id=name)
-
-
-#: aft-local's and aft-conv's steps write their ring buffers in place after reading them; they
-#: continue a state by steps until their ops take an initial state (issue 22, the ops' part)
-_IN_PLACE = "the mixer's _step writes its ring buffer in place: not differentiable"
-
-
 @pytest.mark.parametrize(
     "name, kw",
     [
-        _grad_case("attention", dict(positional="rotary", head_dim=6)),
-        _grad_case("aft-full", {}),
-        _grad_case("aft-simple", {}),
-        _grad_case("aft-decay", {}),
-        _grad_case("aft-local", {}, xfail=_IN_PLACE),
-        _grad_case("aft-conv", {}, xfail=_IN_PLACE),
+        pytest.param("attention", dict(positional="rotary", head_dim=6), id="attention"),
+        pytest.param("aft-full", {}, id="aft-full"),
+        pytest.param("aft-simple", {}, id="aft-simple"),
+        pytest.param("aft-decay", {}, id="aft-decay"),
+        pytest.param("aft-local", {}, id="aft-local"),
+        pytest.param("aft-conv", {}, id="aft-conv"),
     ],
 )
 def test_gradients_flow_through_the_cache(name, kw):

@@ -285,6 +285,13 @@ def peer_module(peer: str, impl: str, variant: str, s: Shape) -> torch.nn.Module
     return getattr(import_module("aft_pytorch"), variant)(max_seqlen=s.T, dim=s.d, hidden_dim=s.d)
 
 
+def decoding_mixer(name: str, op: Op | None, s: Shape) -> torch.nn.Module:
+    """The causal mixer ``name`` of a decoding case at shape ``s`` (``max_seq_len = s.T``), with
+    the options of its op (aft-local's window, aft-conv's kernel)."""
+    kw = dict(d_model=s.d, n_heads=s.h, causal=True, max_seq_len=s.T)
+    return build_mixer(name, **kw, **(op.options if op else {}))
+
+
 def prepare(spec: Spec, op: Op | None, dtype, device, *, seed: int, reference: bool = False):
     """``(f, x, leaves)``: ``f(x)`` is one forward of the op, peer module or (decode) mixer of
     ``spec`` (``reference``: in float64 from the formula, None if none; a mixer's is its own
@@ -294,9 +301,8 @@ def prepare(spec: Spec, op: Op | None, dtype, device, *, seed: int, reference: b
     if ":" not in spec.name and spec.mode != "decode":
         x, f = op.make(s, spec.causal, dtype, device, gen), op.reference if reference else op.fast
         return (lambda x: f(*x.values(), causal=spec.causal)), x, x
-    if decode := spec.mode == "decode":  # the causal mixer with the options of its op
-        kw = dict(d_model=s.d, n_heads=s.h, causal=True, max_seq_len=s.T)
-        m = build_mixer(spec.name, **kw, **(op.options if op else {}))
+    if decode := spec.mode == "decode":
+        m = decoding_mixer(spec.name, op, s)
     else:
         m = peer_module(*spec.name.split(":"), s)
     m = m.eval().to(device=device, dtype=dtype)

@@ -14,7 +14,7 @@ from .._json import dumps
 from .._plotting import pyplot
 from ..errors import UsageError
 
-__all__ = ["ratios", "summary_markdown", "write_report", "ROW_FIELDS", "CSV_FIELDS"]
+__all__ = ["ratios", "summary_markdown", "state_table", "write_report", "ROW_FIELDS", "CSV_FIELDS"]
 
 #: One result row (a case); the CSV adds the machine columns to each.
 ROW_FIELDS = (
@@ -96,6 +96,34 @@ def _table(title: str, head: str, rows: dict[str, dict[int, str]]) -> list[str]:
     return [*lines, ""] if rows else []
 
 
+def size(n: int) -> str:
+    """``n`` bytes in B, KiB, MiB or GiB, 3 significant digits: ``"96 KiB"``."""
+    exp = min(int(math.log(n, 1024)), 3) if n >= 1 else 0
+    return f"{n / 1024**exp:.3g} {('B', 'KiB', 'MiB', 'GiB')[exp]}"
+
+
+def state_table(sizes: list[dict], dim: int, heads: int, dtype: str) -> list[str]:
+    """The decoding-state sizes (:func:`~aftlab.bench.states.state_sizes`) as a Markdown table:
+    a row per mixer, attention's KV cache first, a column per ``T``; each cell the bytes and,
+    in brackets, the fraction of attention's KV cache at the same ``T`` they are."""
+    kv = {r["T"]: r["state_bytes"] for r in sizes if r["mixer"] == "attention"}
+
+    def text(r: dict) -> str:
+        n, att = r["state_bytes"], kv.get(r["T"])
+        if n is None:
+            return r["note"]
+        if not att or r["mixer"] == "attention":
+            return size(n)
+        return size(n) + (" (1/1)" if n == att else f" (1/{att / n:,.0f})" if n < att else "")
+
+    label = {"attention": "attention (KV cache)"}
+    first = sorted(sizes, key=lambda r: r["mixer"] != "attention")  # stable: else as given
+    rows = _grid(first, lambda r: label.get(r["mixer"], r["mixer"]), text)
+    title = f"Decoding state per layer, one sequence after T tokens (d={dim}, {heads} heads"
+    title += f", {dtype} inputs; in brackets: the fraction of attention's KV cache)"
+    return _table(title, "mixer", rows)
+
+
 def summary_markdown(result: dict) -> str:
     """The run as Markdown: machine, limits, a table per mode, what was not measured and why,
     the measured ratios and the peers."""
@@ -124,7 +152,8 @@ def summary_markdown(result: dict) -> str:
         result["ratios"], lambda x: f"{x['ratio']} ({x['mode']})", "{0[value]:.3g}".format
     )
     lines += _table("Measured ratios", "ratio (mode)", ratio) + _peers(result["compare"])
-    return "\n".join(lines)
+    sizes = result.get("state_sizes", [])
+    return "\n".join(lines + state_table(sizes, cfg["dim"], cfg["heads"], cfg["dtype"]))
 
 
 def _peers(rows: list[dict]) -> list[str]:

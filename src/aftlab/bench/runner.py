@@ -19,7 +19,11 @@ from .._system import available_memory, machine_info
 from .cases import MATMUL, MODES, PEERS, Op, Shape, Spec
 from .cases import cases as all_cases
 from .measure import check, execute, gate_shape, measure_limits
-from .report import ROW_FIELDS, cell, ratios, write_report
+from .report import ROW_FIELDS, cell, ratios, state_table, write_report
+from .states import state_sizes
+
+#: the default lengths of the decoding-state table: 4k, 64k and 1M tokens
+STATE_TOKENS = (4096, 65536, 2**20)
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 
@@ -60,6 +64,8 @@ class BenchConfig:
     isolate: bool = _opt(True, "on CPU, each case in a fresh process (default: yes)")
     peers: list[str] = _opt([], f"implementations beside ours: {', '.join(PEERS)}")
     compare_lengths: list[int] | None = _opt(None, "lengths of the peers (the lengths <= 4096)")
+    state_tokens: list[int] = _opt(list(STATE_TOKENS), "T of the decoding-state sizes")
+    state_sizes_only: bool = _opt(False, "print the decoding-state sizes only: nothing timed")
     max_total_minutes: float | None = _opt(None, "then skip the remaining cases (no limit)")
     limits_size: str = "full"  # "tiny" (tests): machine limits measured small, meaningless
     seed: int = _opt(0, "seed of the inputs")
@@ -107,7 +113,11 @@ def run_bench(
     log: Callable[[str], None] | None = print,
 ) -> dict:
     """Run the benchmark of ``cfg``; write the report into ``cfg.out`` if set; return
-    ``{"machine", "limits", "config", "results", "compare", "ratios", "wall_s"}``.
+    ``{"machine", "limits", "config", "state_sizes", "results", "compare", "ratios", "wall_s"}``.
+
+    ``state_sizes`` (:func:`~aftlab.bench.states.state_sizes`, printed at the end, in the report)
+    costs nothing; with ``cfg.state_sizes_only`` it is all that is done: the result has no
+    ``limits``, ``compare`` or ``ratios``, its ``results`` are empty, and no report is written.
 
     Args:
         cases: the case table (default :func:`aftlab.bench.cases.cases`), to add or replace a
@@ -118,6 +128,13 @@ def run_bench(
     table = all_cases() if cases is None else {"aft-full-matmul": MATMUL, **cases}
     cfg.validate(table)
     run = _Run(cfg, log or (lambda _line: None))
+    shape = Shape(1, 1, cfg.dim, cfg.heads, run.esize)
+    sizes = state_sizes(table, cfg.mixers, cfg.state_tokens, shape, run.dtype)
+    if cfg.state_sizes_only:
+        for line in state_table(sizes, cfg.dim, cfg.heads, cfg.dtype):
+            run.say(line)
+        machine = machine_info(run.device, argv)
+        return {"machine": machine, "config": _config(cfg), "state_sizes": sizes, "results": []}
     run.say(f"measuring machine limits on {run.device} ({cfg.dtype}, {cfg.threads} threads)...")
     lim = run.limits = measure_limits(run.device, run.dtype, size=cfg.limits_size)
     run.say(
@@ -135,7 +152,8 @@ def run_bench(
     result = {
         "machine": machine_info(run.device, argv),
         "limits": lim,
-        "config": {k: str(v) if isinstance(v, os.PathLike) else v for k, v in vars(cfg).items()},
+        "config": _config(cfg),
+        "state_sizes": sizes,
         "results": [r for n, c in variants for m in cfg.modes for r in run.case(n, table[n], c, m)],
         "compare": [r for peer in cfg.peers for r in run.peer(peer)],
     }
@@ -143,7 +161,15 @@ def run_bench(
     if cfg.out is not None:
         for line in write_report(result, Path(cfg.out)):
             run.say(line)
+    else:
+        for line in ["", *state_table(sizes, cfg.dim, cfg.heads, cfg.dtype)]:
+            run.say(line)
     return result
+
+
+def _config(cfg: BenchConfig) -> dict:
+    """``cfg``'s fields for the report (a path as text)."""
+    return {k: str(v) if isinstance(v, os.PathLike) else v for k, v in vars(cfg).items()}
 
 
 class _Run:

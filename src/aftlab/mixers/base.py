@@ -22,9 +22,9 @@ Conventions:
       for ``forward(x, state=state, return_state=True)``. The state passed in may be updated in
       place (as ``step`` does): use the one returned. A state carries no padding, so
       ``padding_mask`` with ``state`` or ``return_state`` is a ValueError. Every built-in mixer
-      prefills from the empty state in one parallel pass (its :meth:`SequenceMixer._prefill`);
-      from a given state attention and ``aft-full`` do too, and any other continues by
-      ``T`` calls of ``_step``.
+      prefills in one parallel pass, from the empty state or a given one (its
+      :meth:`SequenceMixer._prefill`; the AFT mixers: one call of their op with its
+      ``initial_state``); a mixer without the hook continues by ``T`` calls of ``_step``.
     * Packed documents: ``cu_seqlens`` (int32 ``[0, n_1, ..., T]``, a batch of one row; the
       FlashAttention convention, :func:`aftlab.ops._packed.check_cu_seqlens`) restarts the mixer
       at every document start, positions from 0: the output equals one call per document. With
@@ -190,8 +190,10 @@ class SequenceMixer(nn.Module):
     #: registry name, set by :func:`aftlab.mixers.register_mixer`
     name: ClassVar[str] = ""
     #: True for mixers that cannot see past ``max_seq_len`` positions, forward or decoding
-    #: (a ``T_max x T_max`` position bias); callers such as ``generate`` check it up front.
-    length_limited: ClassVar[bool] = False
+    #: (a ``T_max x T_max`` position bias); callers such as ``generate`` check it up front. The
+    #: class's value is its default build's; an instance whose options lift the limit sets its
+    #: own (``aft-local`` with ``relative_bias``), so callers read it from the instance.
+    length_limited: bool = False
     #: options a model fills from its config besides :data:`COMMON_ARGS`, by name (attention:
     #: ``("head_dim", "scaled", "rotary")``; ``aft-decay``: ``("layer_idx", "n_layers")``); what
     #: each name means: :data:`aftlab.models.blocks.CONFIG_OPTIONS`

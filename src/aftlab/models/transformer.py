@@ -308,8 +308,8 @@ class TransformerBackbone(nn.Module):
 
         The model's ``prefill`` has checked the prompt (its ids and :meth:`check_length`) and
         ``cache`` (:meth:`check_cache`); the blocks run their mixers' prefill unchecked
-        (:meth:`TransformerBlock._prefill`): one pass from the empty state, and from a state
-        for attention and ``aft-full``; the other mixers continue a state by steps.
+        (:meth:`TransformerBlock._prefill`): one pass from the empty state or from the cache's
+        (every built-in mixer; a plugin without a ``_prefill`` hook continues by steps).
 
         Returns:
             ``(hidden, cache)``: the hidden states ``(B, T, d)`` (of :meth:`forward_embeddings`

@@ -14,9 +14,9 @@ A query of the chunk is ``>= n >= s`` positions after the virtual token, outside
 it weighs it with bias 0: ``e^L A = sum_{t' gone} e^{K_t'} V_t'``, the term of the keys that
 left the window, exactly. The ring keys sit inside the band at their own offsets and get their
 biases. The next state (:func:`state_after`): the ring is the last ``r`` of ring + chunk, and
-``gone`` the old one merged with the tokens that left the window, one shifted log-sum-exp
-reduction over the virtual token and those tokens. Everything is autograd: the gradient flows
-into and out of the states.
+``gone`` the old one merged with the shifted sums of the tokens that left the window, its
+``(p, a, b)`` directly (as the scan ops merge theirs: ``p`` stays the running maximum).
+Everything is autograd: the gradient flows into and out of the states.
 
 Also here: the checks of the state keywords and of a state, the loop over packed documents
 (:mod:`aftlab.ops._packed`), and the float64 references' prepended inputs.
@@ -30,14 +30,14 @@ from typing import Any
 
 import torch
 
-from .._checks import check_positive_int, check_tensor
 from ._numerics import compute_dtype, finite_shift
 from ._packed import check_cu_seqlens, run_documents
+from ._scan_state import continue_running_sums
+from ._state_checks import check_state_fields
 from .state import BandState, RunningSums
 
 __all__ = [
     "check_band_state",
-    "check_state_keywords",
     "continue_band",
     "ring_size",
     "run_band",
@@ -51,37 +51,6 @@ _NEG_INF = float("-inf")
 def ring_size(window: int) -> int:
     """``max(window - 1, 0)``: a band state's ring slots (the band's keys before ``t``)."""
     return max(window - 1, 0)
-
-
-def check_state_keywords(
-    where: str, causal: bool, initial_state: object, return_state: object, cu_seqlens: object
-) -> bool:
-    """Whether a call uses any of ``initial_state``, ``return_state``, ``cu_seqlens``.
-
-    Raises:
-        TypeError: ``return_state`` not a bool.
-        ValueError: one of them on a non-causal call (a query sees later keys: no state carries
-            a sequence over to the next call, and documents are causal ones).
-    """
-    if not isinstance(return_state, bool):
-        raise TypeError(
-            f"{where}: 'return_state' must be a bool, got {type(return_state).__name__}"
-        )
-    used = [
-        name
-        for name, on in (
-            ("initial_state", initial_state is not None),
-            ("return_state", return_state),
-            ("cu_seqlens", cu_seqlens is not None),
-        )
-        if on
-    ]
-    if used and not causal:
-        raise ValueError(
-            f"{where}: {', '.join(repr(n) for n in used)} need causal=True (a state carries a "
-            "causal sequence over to the next call), got causal=False"
-        )
-    return bool(used)
 
 
 def check_band_state(
@@ -98,44 +67,28 @@ def check_band_state(
 
     Expected: a :class:`BandState` with ``k (B, r, *Fk)``, ``v (B, r, *F)``, ``valid (B, r)``
     bool, ``gone.a (B, *F)``, ``gone.b, gone.p (B, *Fk)`` (``r = max(s - 1, 0)``) in the compute
-    dtype of ``q`` on its device, and an int ``position >= 0``.
-
-    Raises:
-        TypeError: not a BandState (a RunningSums is the scan ops' state), a field not a tensor.
-        ValueError: a shape of another batch, window or width; another device.
-        DTypeError: another dtype.
+    dtype of ``q`` on its device, and an int ``position >= 0``
+    (:func:`~aftlab.ops._state_checks.check_state_fields`).
     """
-    if not isinstance(state, BandState) or not isinstance(state.gone, RunningSums):
+    what = "the state of a causal band op"
+    gone = getattr(state, "gone", None)
+    if isinstance(state, BandState) and not isinstance(gone, RunningSums):
         raise TypeError(
-            f"{where}: 'initial_state' must be a BandState (the state of a causal band op), "
-            f"got {type(state).__name__}"
+            f"{where}: 'initial_state.gone' must be a RunningSums, got {type(gone).__name__}"
         )
     B, r = q.shape[0], ring_size(window)
-    dtype = compute_dtype(q.dtype)
     F, Fk = tuple(value_shape), tuple(key_shape)
+    ring = f"(B, {window_name} - 1"
     fields = {
-        "k": (state.k, (B, r, *Fk), f"(B, {window_name} - 1, *key)"),
-        "v": (state.v, (B, r, *F), f"(B, {window_name} - 1, *value)"),
-        "valid": (state.valid, (B, r), f"(B, {window_name} - 1)"),
-        "gone.a": (state.gone.a, (B, *F), "(B, *value)"),
-        "gone.b": (state.gone.b, (B, *Fk), "(B, *key)"),
-        "gone.p": (state.gone.p, (B, *Fk), "(B, *key)"),
+        "k": (getattr(state, "k", None), (B, r, *Fk), ring + ", *key)"),
+        "v": (getattr(state, "v", None), (B, r, *F), ring + ", *value)"),
+        "valid": (getattr(state, "valid", None), (B, r), ring + ")"),
+        "gone.a": (getattr(gone, "a", None), (B, *F), "(B, *value)"),
+        "gone.b": (getattr(gone, "b", None), (B, *Fk), "(B, *key)"),
+        "gone.p": (getattr(gone, "p", None), (B, *Fk), "(B, *key)"),
     }
-    for name, (x, shape, layout) in fields.items():
-        check_tensor(where, f"initial_state.{name}", x)
-        if tuple(x.shape) != shape:
-            raise ValueError(
-                f"{where}: 'initial_state.{name}' must have shape {layout} = {shape} for 'q' "
-                f"{tuple(q.shape)} and {window_name} {window}, got {tuple(x.shape)} "
-                f"(a state of another batch, {window_name} or width?)"
-            )
-        want = torch.bool if name == "valid" else dtype
-        check_tensor(where, f"initial_state.{name}", x, dtype=want)
-        if x.device != q.device:
-            raise ValueError(
-                f"{where}: 'initial_state.{name}' is on {x.device} but 'q' is on {q.device}"
-            )
-    check_positive_int(where, "initial_state.position", state.position, allow_zero=True)
+    check_state_fields(where, state, BandState, fields, q, what=what)
+    assert isinstance(state, BandState)
     return state
 
 
@@ -175,9 +128,11 @@ def state_after(
     """The state after a chunk ``k (B, T, *Fk)``, ``v (B, T, *F)`` (in the state's dtype).
 
     Of ring + chunk (``r + T`` tokens, oldest first) the last ``r`` form the new ring and the
-    first ``T`` leave the window: ``gone`` becomes the shifted sums over the old ``gone`` (its
-    virtual token, ``log_sum`` and ``average``: an exact log-sum-exp merge) and those ``T``.
-    ``position`` advances by ``T`` (padded positions count).
+    first ``T`` leave the window: ``gone`` becomes the old ``gone`` merged with the shifted sums
+    of those ``T`` (:func:`~aftlab.ops._scan_state.continue_running_sums` without decay:
+    ``(p, a, b)`` merged directly, so ``p`` stays the running maximum of the keys gone, as a
+    decoding step's fold leaves it, whatever the chunking). ``position`` advances by ``T``
+    (padded positions count).
     """
     T = k.shape[1]
     if T == 0:
@@ -185,15 +140,13 @@ def state_after(
     r = state.k.shape[1]
     ck, cv = torch.cat([state.k, k], 1), torch.cat([state.v, v], 1)
     cm = torch.cat([state.valid, _mask_of(padding_mask, k)], 1)
-    L, A, ok = _gone_token(state.gone)
     position = state.position + T
-    gone = _masked_sums(
-        torch.cat([L, ck[:, :T]], 1),
-        torch.cat([A, cv[:, :T]], 1),
-        torch.cat([ok, cm[:, :T]], 1),
-        max(position - r, 0),
-    )
-    return BandState(gone=gone, k=ck[:, T:], v=cv[:, T:], valid=cm[:, T:], position=position)
+    left = _masked_sums(ck[:, :T], cv[:, :T], cm[:, :T], position)
+    gone = continue_running_sums(state.gone, left, None, T)
+    gone.position = max(position - r, 0)
+    # the ring copied out: a view would keep the whole ring + chunk buffer alive with the state
+    ring = (x[:, T:].clone() for x in (ck, cv, cm))
+    return BandState(gone, *ring, position=position)
 
 
 #: ``call(q, k, v, padding_mask, n)``: the stateless causal op on a sequence whose first ``n``

@@ -27,39 +27,16 @@ from collections.abc import Callable
 
 import torch
 
-from .._checks import check_positive_int, check_tensor
 from ._numerics import compute_dtype
 from ._packed import check_cu_seqlens, run_documents
+from ._state_checks import check_running_sums
 from .scan import _decayed
 from .state import RunningSums
 
-__all__ = ["check_running_sums", "continue_running_sums", "running_sums_after", "run_scan"]
+__all__ = ["continue_running_sums", "running_sums_after", "run_scan"]
 
 #: ``core(q, k, v, padding_mask) -> y``: the op without state, inputs validated
 Core = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
-
-
-def check_running_sums(where: str, name: str, state: object, q: torch.Tensor) -> RunningSums:
-    """``state`` must be a :class:`RunningSums` for ``q: (B, T, d)``: ``a, b, p`` floating
-    ``(B, d)`` on ``q``'s device, ``position`` an int ``>= 0``. Attribute checks only.
-
-    Raises:
-        TypeError: not a RunningSums (e.g. a ``BandState``), a non-floating field, a
-            non-int position (the field named ``name.a`` etc.).
-        ValueError: a field of another batch size or width, or on another device.
-    """
-    if not isinstance(state, RunningSums):
-        raise TypeError(f"{where}: '{name}' must be a RunningSums, got {type(state).__name__}")
-    shape = (q.shape[0], q.shape[2])
-    for field in ("a", "b", "p"):
-        value = check_tensor(where, f"{name}.{field}", getattr(state, field), shape=shape,
-                             floating=True)
-        if value.device != q.device:
-            raise ValueError(
-                f"{where}: '{name}.{field}' is on {value.device} but 'q' is on {q.device}"
-            )
-    check_positive_int(where, f"{name}.position", state.position, allow_zero=True)
-    return state
 
 
 def running_sums_after(
@@ -157,16 +134,18 @@ def run_scan(
     initial_state: object,
     return_state: bool,
     cu_seqlens: object,
+    check_state: bool = True,
 ):
     """``core`` continued from ``initial_state``, returning ``y`` or ``(y, state)``, over one
     sequence or the documents of ``cu_seqlens`` (:mod:`aftlab.ops._packed`).
 
     ``q, k, v: (B, T, d)`` and ``padding_mask`` are validated by the caller; ``initial_state``
-    and ``cu_seqlens`` here. The state is kept in the compute dtype (float32 for
-    float16/bfloat16, else the input dtype); its ``position`` advances by ``T``.
+    (unless ``check_state=False``: a mixer's caller has checked it) and ``cu_seqlens`` here.
+    The state is kept in the compute dtype (float32 for float16/bfloat16, else the input
+    dtype); its ``position`` advances by ``T``.
     """
-    if initial_state is not None:
-        check_running_sums(where, "initial_state", initial_state, q)
+    if initial_state is not None and check_state:
+        check_running_sums(where, initial_state, q)
     if cu_seqlens is None or q.shape[1] == 0:
         if cu_seqlens is not None:
             check_cu_seqlens(where, cu_seqlens, q.shape[1], q.shape[0])

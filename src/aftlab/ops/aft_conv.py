@@ -59,12 +59,12 @@ from .._autograd import register_autograd_once
 from .._checks import check_compatible, check_padding_mask, check_tensor
 from ._band_state import (
     check_band_state,
-    check_state_keywords,
     continue_band,
     reference_inputs,
     run_band,
 )
 from ._numerics import compute_dtype, finite_shift, headroom, lse_merge, shift_along
+from ._state_checks import check_state_keywords
 from .reference import biased_average_reference
 from .scan import _stable_prefix_average
 from .state import BandState
@@ -458,31 +458,38 @@ def aft_conv(
         )
     if not stateful:
         return _aft_conv(q, k, v, w, causal=causal, padding_mask=padding_mask)
-    B, _, h, c = q.shape
-    ck = k.shape[-1]
+    _, _, h, c = q.shape
     if initial_state is not None:
         check_band_state(
             where, initial_state, q, window=s, window_name="kernel size",
-            value_shape=(h, c), key_shape=(h, ck),
+            value_shape=(h, c), key_shape=(h, k.shape[-1]),
         )
 
     def chunk(a: int, b: int, state: BandState | None, want: bool):
-        def call(qx, kx, vx, mx, n):
-            return _aft_conv(qx, kx, vx, w.to(qx.dtype), causal=True, padding_mask=mx)
-
-        def empty() -> BandState:
-            return BandState.empty(
-                B, s, (h, c), key_shape=(h, ck), device=q.device, dtype=q.dtype
-            )
-
         mask = None if padding_mask is None else padding_mask[:, a:b]
-        qc, kc, vc = q[:, a:b], k[:, a:b], v[:, a:b]
-        return continue_band(call, qc, kc, vc, mask, state, want, empty)
+        return _conv_chunk(q[:, a:b], k[:, a:b], v[:, a:b], w, state, want, mask)
 
     return run_band(
         where, q, chunk, initial_state=initial_state, return_state=return_state,
         cu_seqlens=cu_seqlens,
     )
+
+
+def _conv_chunk(q, k, v, w, state: BandState | None, want: bool, padding_mask):
+    """Causal 1-D :func:`aft_conv` on one chunk ``(B, T, h, c)`` continuing ``state`` (None:
+    the empty one), unchecked (the mixer's call): ``y``, or ``(y, state after)`` with ``want``
+    (:func:`~aftlab.ops._band_state.continue_band`)."""
+
+    def call(qx, kx, vx, mx, n):
+        return _aft_conv(qx, kx, vx, w.to(qx.dtype), causal=True, padding_mask=mx)
+
+    def empty() -> BandState:
+        B, _, h, c = q.shape
+        return BandState.empty(
+            B, w.shape[-1], (h, c), key_shape=(h, k.shape[-1]), device=q.device, dtype=q.dtype
+        )
+
+    return continue_band(call, q, k, v, padding_mask, state, want, empty)
 
 
 def _aft_conv(q, k, v, w, *, causal: bool, padding_mask):

@@ -38,6 +38,7 @@ from .. import kernels
 from .._checks import check_qkv, check_tensor
 from ._numerics import compute_dtype
 from ._scan_state import run_scan
+from ._state_checks import check_state_keywords
 from .reference import biased_average_reference, running_sums_past
 from .scan import _stable_prefix_average, check_decay
 from .state import RunningSums
@@ -104,16 +105,19 @@ def aft_decay(
 
 
 def _aft_decay(q, k, v, decay, bonus, *, padding_mask, initial_state=None, return_state=False,
-               cu_seqlens=None):
+               cu_seqlens=None, check_state=True):
     """:func:`aft_decay` without the checks of ``q, k, v, decay, bonus`` (the mixer's call: its
-    input is validated); the state and ``cu_seqlens`` are checked."""
-    if initial_state is not None or return_state or cu_seqlens is not None:
+    input is validated); the state (unless ``check_state=False``: the mixer's caller checked
+    it) and ``cu_seqlens`` are checked."""
+    if check_state_keywords("aft_decay", True, initial_state, return_state, cu_seqlens):
+
         def core(q, k, v, mask):
             return _aft_decay(q, k, v, decay, bonus, padding_mask=mask)
 
         return run_scan(
             "aft_decay", core, q, k, v, decay, padding_mask=padding_mask,
             initial_state=initial_state, return_state=return_state, cu_seqlens=cu_seqlens,
+            check_state=check_state,
         )
     if kernels.enabled(q, decay, bonus):
         return kernels.scan.aft_decay(q, k, v, decay, bonus, padding_mask=padding_mask)

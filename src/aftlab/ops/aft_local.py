@@ -38,12 +38,12 @@ from .. import kernels
 from .._checks import check_compatible, check_positive_int, check_qkv, check_tensor
 from ._band_state import (
     check_band_state,
-    check_state_keywords,
     continue_band,
     reference_inputs,
     run_band,
 )
 from ._numerics import compute_dtype, headroom, shift_along
+from ._state_checks import check_state_keywords
 from .aft_full import check_aft_inputs
 from .lse_average import Geometry, lse_average
 from .reference import biased_average_reference
@@ -164,7 +164,8 @@ def _check_state(where: str, state: object, q: torch.Tensor, window: int) -> Non
 
 
 def _local_chunk(q, k, v, rows, window: int, a: int, b: int, state, want: bool, padding_mask):
-    """Causal AFT-local on positions ``a .. b - 1`` continuing ``state`` (None: empty).
+    """Causal AFT-local on positions ``a .. b - 1`` continuing ``state`` (None: empty), unchecked
+    (also the mixer's call).
 
     ``rows`` ``(b - a, window)`` are the band rows of those positions, ``window`` wide (the
     state's ring supplies the keys before the chunk); prepended positions get zero rows.

@@ -27,6 +27,7 @@ from .. import kernels
 from .._checks import check_qkv
 from ._numerics import compute_dtype, finite_shift
 from ._scan_state import run_scan
+from ._state_checks import check_state_keywords
 from .reference import biased_average_reference, running_sums_past
 from .scan import _stable_prefix_average
 from .state import RunningSums
@@ -78,22 +79,15 @@ def aft_simple(
 
 
 def _aft_simple(q, k, v, *, causal: bool, padding_mask, initial_state=None, return_state=False,
-                cu_seqlens=None):
+                cu_seqlens=None, check_state=True):
     """:func:`aft_simple` without the checks of ``q, k, v`` (the mixer's call: its input is
-    validated); the state and ``cu_seqlens`` are checked (attributes, and ``cu_seqlens`` read on
-    the host)."""
-    if initial_state is not None or return_state or cu_seqlens is not None:
-        if not causal:
-            given = {"initial_state": initial_state is not None, "return_state": return_state,
-                     "cu_seqlens": cu_seqlens is not None}
-            name = next(n for n, g in given.items() if g)
-            raise ValueError(
-                f"aft_simple: '{name}' needs causal=True (the non-causal average has no state "
-                "across calls), got causal=False"
-            )
+    validated); the state (unless ``check_state=False``: the mixer's caller checked it) and
+    ``cu_seqlens`` are checked (attributes, and ``cu_seqlens`` read on the host)."""
+    if check_state_keywords("aft_simple", causal, initial_state, return_state, cu_seqlens):
         return run_scan(
             "aft_simple", _causal_core, q, k, v, None, padding_mask=padding_mask,
             initial_state=initial_state, return_state=return_state, cu_seqlens=cu_seqlens,
+            check_state=check_state,
         )
     if kernels.enabled(q):
         return kernels.scan.aft_simple(q, k, v, causal=causal, padding_mask=padding_mask)

@@ -12,10 +12,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...ops.state import RunningSums, shifted_sums
+from ...ops._scan_state import continue_running_sums
+from ...ops.state import BandState, RunningSums, shifted_sums
 from ..base import SequenceMixer, mark_residual_projection
 
-__all__ = ["AFTMixer", "RunningSums", "shifted_sums"]
+__all__ = ["AFTMixer", "BandState", "RunningSums", "band_step", "shifted_sums"]
 
 
 class AFTMixer(SequenceMixer):
@@ -29,10 +30,12 @@ class AFTMixer(SequenceMixer):
             AFT-conv (one key channel per head).
         **common: the common mixer arguments of :class:`~aftlab.mixers.SequenceMixer`.
 
-    A subclass implements :meth:`_mix` (its forward pass, also returning the keys and values)
-    and, when causal, :meth:`_state_after` (the state a prompt leaves): ``forward`` returns the
-    first's output, ``prefill`` that and the second's state, from one pass (from a given state,
-    by steps: ``SequenceMixer._prefill``).
+    A subclass implements :meth:`_mix`, one call of its op: ``forward`` is ``_mix(x,
+    padding_mask)``, ``prefill`` (from the empty state or a given one) ``_mix(x, None, state,
+    return_state=True)``, the op continuing the state (its ``initial_state``) and returning the
+    one after (its ``return_state``). The decoding states are the ops' own types
+    (:mod:`aftlab.ops.state`): a :class:`RunningSums` (aft-simple, aft-decay), a
+    :class:`BandState` (aft-local, aft-conv; one step: :func:`band_step`).
 
     Shapes:
         :meth:`project` maps ``x: (B, T, d)`` (or ``(B, d)`` for one decoding step) to
@@ -52,25 +55,25 @@ class AFTMixer(SequenceMixer):
 
     def _forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None) -> torch.Tensor:
         """The output of :meth:`_mix`."""
-        return self._mix(x, padding_mask)[0]
+        return self._mix(x, padding_mask)
 
     def _prefill(self, x: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any]:
-        """From the empty state (None): the output of :meth:`_mix` and the state reduced from
-        its keys and values, one pass. From a given state: the base class's steps."""
-        if state is not None:
-            return super()._prefill(x, state)
-        out, k, v = self._mix(x, None)
-        return out, self._state_after(x, k, v)
+        """One pass of the op from ``state`` (None: the empty state): :meth:`_mix` with
+        ``return_state=True``."""
+        return self._mix(x, None, state, return_state=True)
 
     def _mix(
-        self, x: torch.Tensor, padding_mask: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The mixer's pass over ``x: (B, T, d)``: its output and the keys and values it used."""
+        self,
+        x: torch.Tensor,
+        padding_mask: torch.Tensor | None,
+        state: Any = None,
+        *,
+        return_state: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        """The mixer's pass over ``x: (B, T, d)``: ``y (B, T, d)``, or with ``return_state``
+        ``(y, state after)``, continuing ``state`` (None: the empty one; never with
+        ``padding_mask``)."""
         raise NotImplementedError(f"{type(self).__name__} does not implement _mix")
-
-    def _state_after(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
-        """The decoding state after the prompt ``x``, from the keys and values of :meth:`_mix`."""
-        raise NotImplementedError(f"{type(self).__name__} does not support incremental decoding")
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``Q = X W^Q, K = X W^K, V = X W^V``."""
@@ -86,6 +89,16 @@ class AFTMixer(SequenceMixer):
         """
         dt = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
         return tuple(t.to(dt) for t in tensors)
+
+    def outputs(
+        self, out: Any, padding_mask: torch.Tensor | None, return_state: bool
+    ) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        """:meth:`output` of an op's result ``out``: ``y``, or ``(y, state)`` with
+        ``return_state`` (the state passed through)."""
+        if not return_state:
+            return self.output(out, padding_mask)
+        y, state = out
+        return self.output(y), state
 
     def output(self, y: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``dropout(Y W^O)``; rows of queries with no valid key are 0 (as in ``attention``).
@@ -103,3 +116,58 @@ class AFTMixer(SequenceMixer):
         else:
             has_key = padding_mask.any(1, keepdim=True).expand_as(padding_mask)
         return out.masked_fill(~has_key[..., None], 0.0)
+
+
+def band_step(
+    state: BandState, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
+) -> tuple[torch.Tensor, BandState]:
+    """One token ``K_t (B, *Fk)``, ``V_t (B, *F)`` after a :class:`BandState` of ``r`` ring
+    slots: the average it sees, ``(B, *F)``, and the state after it; ``O(r d)`` work.
+
+    ``bias (r + 1, *Fk')`` holds ``w_{t,t'}`` of the band keys ``t' = t - r .. t`` (the ring,
+    oldest first, then ``t``; ``Fk'`` broadcasts against ``Fk``). With the scores
+    ``z_t' = K_t' + w_{t,t'}`` (``-inf`` on an empty slot) and ``gone``'s ``(p, a, b)``::
+
+        m = max(max_t' z_t', p),   A_t = (sum_t' e^{z_t' - m} V_t' + e^{p - m} a)
+                                         / (sum_t' e^{z_t' - m}     + e^{p - m} b)
+
+    (``m`` is finite: key ``t`` is present; every exponent is ``<= 0``). The scores are formed
+    in the dtype of ``state.k`` promoted with ``bias``'s (aft-conv's float64 log domain); the
+    sums in the values' dtype. The state after is the op's
+    (:func:`~aftlab.ops._band_state.state_after` on the one token, field for field): the oldest
+    band key leaves the ring and ``gone`` takes it (:func:`continue_running_sums`: ``p`` stays
+    the running maximum).
+    """
+    B, r = state.k.shape[:2]
+    gone = state.gone
+    z = (state.k + bias[:r]).masked_fill(~_slots(state.valid, state.k), float("-inf"))
+    z_t = k + bias[r]  # (B, *Fk): key t, always present
+    m = torch.maximum(z_t, gone.p)
+    if r:
+        m = torch.maximum(m, z.amax(1))
+    m = m.detach()  # any shift is exact: keep it out of the graph
+    e = torch.exp(z - m[:, None]).to(v.dtype)
+    e_t, old = (torch.exp(u - m).to(v.dtype) for u in (z_t, gone.p))
+    avg = ((e * state.v).sum(1) + e_t * v + old * gone.a) / (e.sum(1) + e_t + old * gone.b)
+    # the key leaving the window (the ring's oldest; t itself without a ring), as one token's
+    # shifted sums: p = K, a = V, b = 1 (nothing where its slot is empty)
+    if r:
+        k0, v0, ok = state.k[:, 0], state.v[:, 0], _slots(state.valid[:, :1], state.k)[:, 0]
+        ring = [torch.cat([x[:, 1:], y[:, None]], 1) for x, y in
+                ((state.k, k), (state.v, v), (state.valid, state.valid.new_ones(B)))]
+    else:
+        k0, v0, ok = k, v, torch.ones((), dtype=torch.bool, device=k.device)
+        ring = [state.k, state.v, state.valid]
+    left = RunningSums(
+        a=torch.where(ok, v0, 0.0), b=torch.where(ok, torch.ones_like(k0), 0.0),
+        p=torch.where(ok, k0, float("-inf")),
+    )
+    position = state.position + 1
+    gone = continue_running_sums(gone, left, None, 1)
+    gone.position = max(position - r, 0)
+    return avg, BandState(gone, *ring, position=position)
+
+
+def _slots(valid: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``valid (B, n)`` viewed to broadcast against ``like (B, n, ...)``."""
+    return valid.view(*valid.shape, *(1,) * (like.dim() - 2))

@@ -15,37 +15,15 @@ when ``grid`` is set) with the paper's reparameterised kernel
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from ..._checks import check_positive_int
-from ...ops.aft_conv import _aft_conv, _aft_conv2d
+from ...ops.aft_conv import _aft_conv, _aft_conv2d, _conv_chunk
 from ..registry import register_mixer
-from .common import AFTMixer
+from .common import AFTMixer, BandState, band_step
 
-__all__ = ["AFTConvMixer", "AFTConvState"]
-
-
-@dataclass
-class AFTConvState:
-    """Decoding state of a causal :class:`AFTConvMixer` at position ``pos``.
-
-    Attributes:
-        log_sum: ``(B, h)`` float64, ``L = log sum_{t' <= pos - s} e^{K_t'}`` over the tokens
-            that have left the kernel footprint (``-inf`` while there are none).
-        avg: ``(B, h, c)``, ``A = sum_{t' <= pos - s} e^{K_t' - L} V_t'`` (a convex combination).
-        k_buf: ``(B, s, h)`` float64 ring buffer of the last ``s`` keys (slot ``t' % s``).
-        v_buf: ``(B, s, h, c)`` ring buffer of the last ``s`` values.
-        pos: number of tokens consumed so far.
-    """
-
-    log_sum: torch.Tensor
-    avg: torch.Tensor
-    k_buf: torch.Tensor
-    v_buf: torch.Tensor
-    pos: int = 0
+__all__ = ["AFTConvMixer"]
 
 
 @register_mixer("aft-conv")
@@ -62,6 +40,10 @@ class AFTConvMixer(AFTMixer):
     Shapes:
         ``forward``: ``x (B, T, d_model)``, ``padding_mask (B, T)`` -> ``(B, T, d_model)``;
         ``step``: ``x (B, d_model)`` -> ``(B, d_model)``, ``O(s d)`` per token.
+
+    The decoding state (causal) is the op's :class:`~aftlab.ops.state.BandState`: the ring of
+    the last ``s - 1`` keys ``(B, s - 1, h, 1)`` and values ``(B, s - 1, h, c)`` and the running
+    sums of the tokens that left the footprint; a prefill continuing it is one op call.
 
     Example:
         >>> from aftlab.mixers import build_mixer
@@ -139,14 +121,24 @@ class AFTConvMixer(AFTMixer):
         )
 
     def _mix(
-        self, x: torch.Tensor, padding_mask: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self,
+        x: torch.Tensor,
+        padding_mask: torch.Tensor | None,
+        state: BandState | None = None,
+        *,
+        return_state: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, BandState]:
         """``x: (B, T, d_model)`` -> ``(B, T, d_model)``; ``padding_mask: (B, T)``, True = real.
 
-        Also returns the keys ``(B, T, h)`` and values ``(B, T, h, c)`` by head.
+        With ``return_state`` (causal, 1-D): one call of the op continuing ``state`` (None: the
+        empty one), and the state after ``x``.
         """
         B, T, d = x.shape
         q, k, v, w = self._heads(*self.project(x))
+        if state is not None or return_state:
+            y, state = _conv_chunk(q, k, v, w, state, True, None)
+            y = self.output(y.reshape(B, T, d).to(x.dtype))
+            return (y, state) if return_state else y
         if self.grid is None:
             y = _aft_conv(q, k, v, w, causal=self.causal, padding_mask=padding_mask)
         else:
@@ -161,83 +153,32 @@ class AFTConvMixer(AFTMixer):
             y = _aft_conv2d(
                 *(t.reshape(B, H, W, *t.shape[2:]) for t in (q, k, v)), w, padding_mask=grid_mask
             )
-        return self.output(y.reshape(B, T, d).to(x.dtype), padding_mask), k[..., 0], v
-
-    def _state_after(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> AFTConvState:
-        """The decoding state after a prompt's keys ``k (B, T, h)`` and values ``v (B, T, h, c)``.
-
-        The state is in ``x``'s dtype (as in :meth:`init_state`). The ring buffers hold tokens
-        ``max(0, T - s) .. T - 1`` (slot ``t' mod s``); over the tokens ``t' < T - s`` that left
-        the footprint, ``L = logsumexp_t' K_t'`` and ``A = sum_t' e^{K_t' - L} V_t'``, reduced
-        in one pass.
-        """
-        B, T, _ = k.shape
-        s = self.kernel_size
-        state = self._init_state(B, k.device, x.dtype)
-        cdt = state.v_buf.dtype
-        k, v = k.to(torch.float64), v.to(cdt)
-        gone = max(0, T - s)
-        if gone:
-            state.log_sum = torch.logsumexp(k[:, :gone], dim=1)
-            weight = torch.exp(k[:, :gone] - state.log_sum[:, None]).to(cdt)
-            state.avg = (weight[..., None] * v[:, :gone]).sum(1)
-        kept = torch.arange(gone, T, device=k.device)
-        state.k_buf[:, kept % s], state.v_buf[:, kept % s] = k[:, gone:], v[:, gone:]
-        state.pos = T
-        return state
+        return self.output(y.reshape(B, T, d).to(x.dtype), padding_mask)
 
     # ----------------------------------------------------------------- decoding
     def _init_state(
         self, batch_size: int, device: torch.device | str, dtype: torch.dtype
-    ) -> AFTConvState:
-        """Empty state: no tokens outside the footprint (``L = -inf``), an empty ring buffer."""
-        B = batch_size
-        cdt = torch.float64 if dtype == torch.float64 else torch.float32
-        h, s = self.n_heads, self.kernel_size
-        c = self.d_model // h
-        f64 = dict(device=device, dtype=torch.float64)
-        return AFTConvState(
-            log_sum=torch.full((B, h), float("-inf"), **f64),
-            avg=torch.zeros(B, h, c, device=device, dtype=cdt),
-            k_buf=torch.zeros(B, s, h, **f64),
-            v_buf=torch.zeros(B, s, h, c, device=device, dtype=cdt),
+    ) -> BandState:
+        """The empty :class:`BandState` of window ``s``: nothing gone (``p = -inf``), ``s - 1``
+        empty ring slots of one key per head."""
+        h = self.n_heads
+        return BandState.empty(
+            batch_size, self.kernel_size, (h, self.d_model // h), key_shape=(h, 1),
+            device=device, dtype=dtype,
         )
 
-    def _step(self, x: torch.Tensor, state: AFTConvState) -> tuple[torch.Tensor, AFTConvState]:
-        r"""One token at position ``t = state.pos``; equals row ``t`` of the causal :meth:`forward`.
-
-        Evicts token ``t - s`` from the ring buffer into the running sums
-        (``L <- logaddexp(L, K_{t-s})``, ``A <- e^{L_old - L} A + e^{K_{t-s} - L} V_{t-s}``),
-        stores token ``t``, then
-        ``Y_t = sigma(Q_t) [e^{L-m} A + sum_j e^{K_{t-s+1+j} + w_{j+1} - m} V] /
-        [e^{L-m} + sum_j e^{K + w - m}]`` with ``m`` the maximum exponent: ``O(s d)`` work.
+    def _step(self, x: torch.Tensor, state: BandState) -> tuple[torch.Tensor, BandState]:
+        r"""One token at position ``t = state.position``; equals row ``t`` of the causal
+        :meth:`forward`: :func:`~aftlab.mixers.aft.common.band_step` with the kernel as the band
+        biases (ring slot ``i``, key ``t - s + 1 + i``, gets ``w_i``; token ``t`` gets
+        ``w_{s-1}``), the scores in float64 (the op's log domain); ``O(s d)`` work.
         """
         B = x.shape[0]
-        s, t = self.kernel_size, state.pos
         q, k, v, w = self._heads(*self.project(x))  # (B, h, c), (B, h, 1), (B, h, c), (h, s)
-        cdt = state.v_buf.dtype
-        k = k[..., 0].to(torch.float64)
-        slot = t % s
-        if t >= s:  # token t - s leaves the footprint: merge it into the running sums
-            k_old, v_old = state.k_buf[:, slot], state.v_buf[:, slot]
-            L = torch.logaddexp(state.log_sum, k_old)
-            a_old = torch.exp(state.log_sum - L).to(cdt)[..., None]
-            state.avg = a_old * state.avg + torch.exp(k_old - L).to(cdt)[..., None] * v_old
-            state.log_sum = L
-        state.k_buf[:, slot] = k
-        state.v_buf[:, slot] = v.to(cdt)
-        # slot r holds position t - age, age = (t - r) mod s, acted on by kernel entry s - 1 - age
-        age = (t - torch.arange(s, device=x.device)) % s
-        j = s - 1 - age
-        logits = state.k_buf + w.to(torch.float64).T[j]  # (B, s, h)
-        logits = logits.masked_fill((age > t)[None, :, None], float("-inf"))  # slots not yet filled
-        m = torch.maximum(logits.amax(1), state.log_sum)  # finite: the current token is present
-        p = torch.exp(logits - m[:, None])
-        e_out = torch.exp(state.log_sum - m)
-        den = (e_out + p.sum(1)).to(cdt)[..., None]
-        num = e_out.to(cdt)[..., None] * state.avg + (p.to(cdt)[..., None] * state.v_buf).sum(1)
-        y = torch.sigmoid(q.to(cdt)) * (num / den)
-        state.pos = t + 1
+        cd = state.v.dtype
+        bias = w.to(torch.float64).T[..., None]  # (s, h, 1)
+        avg, state = band_step(state, k.to(cd), v.to(cd), bias)
+        y = torch.sigmoid(q.to(cd)) * avg
         return self.output(y.reshape(B, self.d_model).to(x.dtype)), state
 
     def extra_repr(self) -> str:

@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from ..._checks import check_positive_int
-from ...ops._numerics import compute_dtype
 from ...ops.aft_decay import _aft_decay
 from ..registry import register_mixer
 from .common import AFTMixer, RunningSums
@@ -101,20 +100,23 @@ class AFTDecay(AFTMixer):
         return torch.exp(self.time_decay.clamp(max=30.0))
 
     def _mix(
-        self, x: torch.Tensor, padding_mask: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``dropout(W^O aft_decay(X W^Q, X W^K, X W^V, lambda, u))``, ``(B, T, d)`` -> same."""
-        q, k, v = self.project(x)
-        y = _aft_decay(q, k, v, self.decay(), self.time_bonus, padding_mask=padding_mask)
-        return self.output(y, padding_mask), k, v
+        self,
+        x: torch.Tensor,
+        padding_mask: torch.Tensor | None,
+        state: AFTDecayState | None = None,
+        *,
+        return_state: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, AFTDecayState]:
+        """``dropout(W^O aft_decay(X W^Q, X W^K, X W^V, lambda, u))``, ``(B, T, d)`` -> same.
 
-    def _state_after(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> AFTDecayState:
-        """The state after the prompt's keys and values, with ``z_t' = K_t' - (T-1-t') lambda``:
-        ``p = max_t' z_t'``, ``a = sum_t' e^{z_t' - p} V_t'``, ``b = sum_t' e^{z_t' - p}``."""
-        sdt = compute_dtype(x.dtype)
-        age = torch.arange(x.shape[1] - 1, -1, -1, device=x.device, dtype=sdt)  # T-1-t'
-        z = k.to(sdt) - age[:, None] * self.decay().to(sdt)
-        return RunningSums.from_tokens(z, v.to(sdt))
+        With ``return_state``, one op call continuing ``state`` (its ``initial_state``) also
+        gives the state after ``x``: with ``z_t' = K_t' - (T-1-t') lambda`` over every key so
+        far, ``p = max_t' z_t'``, ``a = sum_t' e^{z_t' - p} V_t'``, ``b = sum_t' e^{z_t' - p}``.
+        """
+        q, k, v = self.project(x)
+        out = _aft_decay(q, k, v, self.decay(), self.time_bonus, padding_mask=padding_mask,
+                         initial_state=state, return_state=return_state, check_state=False)
+        return self.outputs(out, padding_mask, return_state)
 
     def _init_state(
         self, batch_size: int, device: torch.device | str, dtype: torch.dtype

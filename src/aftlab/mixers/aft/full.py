@@ -109,17 +109,40 @@ class AFTFull(AFTMixer):
         self.pos_bias.reset_parameters()
 
     def _mix(
-        self, x: torch.Tensor, padding_mask: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``x: (B, T, d_model)`` with ``T <= T_max`` -> ``(B, T, d_model)``."""
-        q, k, v = self.project(x)
-        q, k, v, w = self.match_dtypes(q, k, v, self.pos_bias.matrix(x.shape[1]))
-        y = _aft_full(q, k, v, w, causal=self.causal, padding_mask=padding_mask)
-        return self.output(y, padding_mask), k, v
+        self,
+        x: torch.Tensor,
+        padding_mask: torch.Tensor | None,
+        state: AFTFullState | None = None,
+        *,
+        return_state: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, AFTFullState]:
+        """``x: (B, T, d_model)`` with ``T <= T_max`` -> ``(B, T, d_model)``.
 
-    def _state_after(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> AFTFullState:
-        """The state after the prompt: its keys and values in slots ``[0, T)``."""
-        return self._state_of(k, v, x.dtype)
+        With a state keyword, ``x`` after the ``t0`` tokens of ``state`` (None: none) in one
+        pass: rows ``t0 .. t0 + T - 1`` of the causal op on all ``S = t0 + T`` keys (the
+        state's, then the chunk's) with ``w[:S, :S]``; the queries of the ``t0`` earlier rows
+        are zeros and their outputs dropped (``Y_t`` reads only ``Q_t``). ``O(S^2 d)`` for ``T``
+        rows; the state is not modified. With ``return_state`` also the state after the ``S``
+        tokens (slots ``[0, S)``).
+        """
+        q, k, v = self.project(x)
+        if state is None and not return_state:
+            q, k, v, w = self.match_dtypes(q, k, v, self.pos_bias.matrix(x.shape[1]))
+            y = _aft_full(q, k, v, w, causal=self.causal, padding_mask=padding_mask)
+            return self.output(y, padding_mask)
+        if state is None:
+            state = self._init_state(x.shape[0], x.device, x.dtype)
+        t0 = state.t
+        S = t0 + x.shape[1]
+        self._check_position(S - 1)
+        cd = state.k.dtype
+        k_all = torch.cat((state.k[:, :t0], k.to(cd)), 1)
+        v_all = torch.cat((state.v[:, :t0], v.to(cd)), 1)
+        q_all = torch.cat((q.new_zeros(q.shape[0], t0, q.shape[2]), q), 1)
+        qa, ka, va, w = self.match_dtypes(q_all, k_all, v_all, self.pos_bias.matrix(S))
+        y = _aft_full(qa, ka, va, w, causal=True, padding_mask=None)[:, t0:]
+        y = self.output(y.to(q.dtype))
+        return (y, self._state_of(k_all, v_all, x.dtype)) if return_state else y
 
     def _state_of(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> AFTFullState:
         """The state after the tokens of ``k, v: (B, S, d)``: slots ``[0, S)``, position ``S``
@@ -129,30 +152,6 @@ class AFTFull(AFTMixer):
         state.k[:, :S], state.v[:, :S] = k, v  # cast to the state's dtype, as step() does
         state.t = S
         return state
-
-    def _prefill(
-        self, x: torch.Tensor, state: AFTFullState | None
-    ) -> tuple[torch.Tensor, AFTFullState]:
-        """``x: (B, T, d)`` after the ``t0`` tokens of ``state`` (None: none), in one pass.
-
-        Rows ``t0 .. t0 + T - 1`` of the causal op on all ``S = t0 + T`` keys (the state's, then
-        the chunk's) with ``w[:S, :S]``; the queries of the ``t0`` earlier rows are zeros and
-        their outputs dropped (``Y_t`` reads only ``Q_t``). ``O(S^2 d)`` for ``T`` rows; the
-        state is not modified. Returns ``y`` and the state after the ``S`` tokens.
-        """
-        t0 = 0 if state is None else state.t
-        if not t0:
-            return super()._prefill(x, None)
-        S = t0 + x.shape[1]
-        self._check_position(S - 1)
-        q, k, v = self.project(x)
-        cd = state.k.dtype
-        k_all = torch.cat((state.k[:, :t0], k.to(cd)), 1)
-        v_all = torch.cat((state.v[:, :t0], v.to(cd)), 1)
-        q_all = torch.cat((q.new_zeros(q.shape[0], t0, q.shape[2]), q), 1)
-        qa, ka, va, w = self.match_dtypes(q_all, k_all, v_all, self.pos_bias.matrix(S))
-        y = _aft_full(qa, ka, va, w, causal=True, padding_mask=None)[:, t0:]
-        return self.output(y.to(q.dtype)), self._state_of(k_all, v_all, x.dtype)
 
     def _state_position(self, state: AFTFullState) -> int:
         """``state.t``: the tokens seen."""

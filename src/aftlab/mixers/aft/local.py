@@ -1,33 +1,20 @@
-"""The ``aft-local`` mixer: AFT-local with the factorised position bias ``w = U V^T``, band only."""
+"""The ``aft-local`` mixer: AFT-local with the factorised position bias ``w = U V^T`` (or a
+relative one, learned per offset ``t' - t``), band only."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
 
 import torch
+from torch import nn
 
 from ..._checks import check_positive_int
-from ...ops.aft_local import _aft_local_band, band_geometry
+from ...ops.aft_local import _aft_local_band, _local_chunk, band_geometry
 from ..registry import register_mixer
-from .common import AFTMixer, RunningSums
+from .common import AFTMixer, BandState, band_step
 from .full import PositionBias, require_max_seq_len
 
-__all__ = ["AFTLocal", "AFTLocalState"]
-
-
-@dataclass
-class AFTLocalState:
-    """Decoding state of causal AFT-local.
-
-    ``gone``: the running sums of the keys that left the window (``t' <= t - s``):
-    ``p = max K_t'``, ``a = sum exp(K_t' - p) V_t'``, ``b = sum exp(K_t' - p)``, ``(B, d)`` each;
-    ``k, v`` ``(B, s, d)``: ring buffer of the last ``s`` keys and values (slot ``t' mod s``).
-    """
-
-    gone: RunningSums
-    k: torch.Tensor
-    v: torch.Tensor
-    t: int = 0
+__all__ = ["AFTLocal"]
 
 
 @register_mixer("aft-local")
@@ -37,120 +24,190 @@ class AFTLocal(AFTMixer):
 
     Args:
         window: ``s >= 0`` (the paper's best on enwik8: 32). 0 is AFT-simple.
-        bias_rank: ``d'`` of ``w = U V^T``; ``None`` for a full ``T_max x T_max`` bias.
-        **common: see :class:`~aftlab.mixers.SequenceMixer`; ``max_seq_len`` is required.
+        bias_rank: ``d'`` of ``w = U V^T``; ``None`` for a full ``T_max x T_max`` bias. Ignored
+            with ``relative_bias``.
+        relative_bias: if True, ``w_{t,t'} = r_{t' - t}`` depends on the offset only (a Toeplitz
+            band): ``r`` is a parameter ``rel_bias`` of ``s`` entries (causal: offsets
+            ``-(s - 1) .. 0``) or ``2s - 1`` (offsets ``-(s - 1) .. s - 1``), ``rel_bias[j]`` the
+            bias of offset ``j - (s - 1)``, shared by the channels and initialised to 0. The
+            mixer then has no ``T_max``: it is not length-limited and needs no ``max_seq_len``.
+            False (default): the paper's absolute ``w`` (:class:`PositionBias`).
+        relative_gain: the relative bias is ``r = relative_gain * rel_bias`` (a fixed
+            reparametrisation). Adam moves a parameter by about its learning rate per step
+            whatever the gradient's scale, so an unscaled ``rel_bias`` stayed within
+            ``sum(lr) ~ 0.55`` of 0 over a whole run and trained far worse than the absolute
+            ``U V^T`` (whose products move faster); with 10 it trained better (docs/results.md,
+            "aft-local's window"). Ignored without ``relative_bias``.
+        **common: see :class:`~aftlab.mixers.SequenceMixer`; ``max_seq_len`` is required unless
+            ``relative_bias``.
 
-    Only the band ``(T, 2s - 1)`` of ``w`` is ever formed: ``O(T s d')``. Decoding (causal) keeps
-    running sums of the keys outside the window plus a ring buffer of the last ``s``: ``O(s d)``
-    per token.
+    Only the band ``(T, 2s - 1)`` of ``w`` is ever formed: ``O(T s d')`` (relative: the row of
+    offsets repeated, no copy). The decoding state (causal) is the op's
+    :class:`~aftlab.ops.state.BandState` with the window :attr:`state_window` (``min(s, T_max)``:
+    no two positions below ``T_max`` are farther apart; ``s`` with ``relative_bias``): the ring
+    of the last ``state_window - 1`` keys and values and the running sums of the keys that left
+    the window; ``O(s d)`` per token. A prefill continuing a state is one op call with its band
+    rows at the absolute positions ``state.position ..`` (relative: the same rows anywhere).
     """
 
+    #: the default (absolute bias); an instance with ``relative_bias`` sets False
     length_limited = True
     test_options = {"window": 3}
 
-    def __init__(self, *, window: int = 32, bias_rank: int | None = 64, **common) -> None:
+    def __init__(
+        self,
+        *,
+        window: int = 32,
+        bias_rank: int | None = 64,
+        relative_bias: bool = False,
+        relative_gain: float = 10.0,
+        **common,
+    ) -> None:
         super().__init__(**common)
         where = type(self).__name__
-        T_max = require_max_seq_len(where, self.max_seq_len)
         self.window = check_positive_int(where, "window", window, allow_zero=True)
+        if not isinstance(relative_bias, bool):
+            raise TypeError(
+                f"{where}: 'relative_bias' must be a bool, got {type(relative_bias).__name__}"
+            )
+        if isinstance(relative_gain, bool) or not isinstance(relative_gain, (int, float)) or not (
+            math.isfinite(relative_gain) and relative_gain > 0
+        ):
+            raise ValueError(
+                f"{where}: 'relative_gain' must be a finite number > 0, got {relative_gain!r}"
+            )
+        self.relative_bias = relative_bias
+        self.relative_gain = float(relative_gain)
+        self.length_limited = not relative_bias
+        if relative_bias:
+            n_offsets = self.window if self.causal else max(2 * self.window - 1, 0)
+            self.rel_bias = nn.Parameter(torch.zeros(n_offsets))
+            return
+        T_max = require_max_seq_len(where, self.max_seq_len)
         if bias_rank is not None:
             check_positive_int(where, "bias_rank", bias_rank)
         self.pos_bias = PositionBias(T_max, rank=bias_rank)
 
+    @torch.no_grad()
     def reset_parameters(self) -> None:
-        """The init hook: the position bias starts at 0 (:class:`PositionBias`)."""
-        self.pos_bias.reset_parameters()
+        """The init hook: the position bias starts at 0 (:class:`PositionBias`, or ``rel_bias``)."""
+        if self.relative_bias:
+            self.rel_bias.zero_()
+        else:
+            self.pos_bias.reset_parameters()
+
+    @property
+    def state_window(self) -> int:
+        """The window of the decoding state and of a continued prefill: ``min(s, T_max)``
+        (``s`` with ``relative_bias``: no ``T_max``)."""
+        return self.window if self.relative_bias else min(self.window, self.max_seq_len)
 
     def band(self, T: int) -> torch.Tensor:
-        """``w_band (T, W)``, ``w_band[t, j] = w[t, t + j - (s - 1)]`` (0 outside ``[0, T)``)."""
+        """``w_band (T, W)``, ``w_band[t, j] = w[t, t + j - (s - 1)]`` (0 outside ``[0, T)``).
+
+        Relative: ``w_band[t, j] = rel_bias[window - s + j]`` for every row (a view of the
+        offsets, ``s = min(window, T)``; entries whose key falls outside ``[0, T)`` keep their
+        offset's bias, which the ops never read).
+        """
         geo = band_geometry(T, max(self.window, 1), causal=self.causal)
+        return self.band_rows(0, T, geo.W, geo.beta)
+
+    def band_rows(self, start: int, T: int, W: int, beta: int) -> torch.Tensor:
+        """``(T, W)``: ``out[t, j] = w[start + t, start + t + j - beta]``, the band of the absolute
+        rows ``start .. start + T - 1``; 0 where the key falls outside ``[0, start + T)``.
+        Relative: the offsets ``j - beta`` of ``rel_bias`` in every row, whatever ``start``."""
+        if self.relative_bias:
+            first = self.window - (beta + 1)
+            return self.offsets()[first : first + W].expand(T, W)
         pb, dev = self.pos_bias, self.to_v.weight.device
-        offsets = torch.arange(geo.W, device=dev)[None] - geo.beta
-        cols = torch.arange(T, device=dev)[:, None] + offsets
-        inside = (cols >= 0) & (cols < T)
-        cols = cols.clamp(0, T - 1)
+        n = start + T
+        cols = torch.arange(start, n, device=dev)[:, None] + torch.arange(W, device=dev) - beta
+        inside = (cols >= 0) & (cols < n)
         if pb.rank is None:
-            band = pb.w[:T, :T].gather(1, cols)  # backward: scatter_add_ by row, deterministic
+            band = pb.w[start:n, :n].gather(1, cols.clamp(0, n - 1))  # backward: scatter_add_
         else:
             # w_band[t, j] = u_t . v_{t + j - beta}, with v padded by zeros: one shifted row-wise
             # dot product per band offset j, so neither direction forms a (T, rank, W) tensor,
             # and every gradient is a plain sum in a fixed order (deterministic; an advanced
             # index v[cols] would sum its backward in thread order).
-            vp = torch.nn.functional.pad(pb.v[:T], (0, 0, geo.beta, geo.W - 1 - geo.beta))
-            u = pb.u[:T]
-            band = torch.stack([(u * vp[j : j + T]).sum(-1) for j in range(geo.W)], 1)
+            lo, hi = start - beta, n + W - 1 - beta  # the keys of the band, [lo, hi)
+            vp = pb.v[max(lo, 0) : min(hi, n)]
+            vp = torch.nn.functional.pad(vp, (0, 0, max(-lo, 0), max(hi - n, 0)))
+            u = pb.u[start:n]
+            band = torch.stack([(u * vp[j : j + T]).sum(-1) for j in range(W)], 1)
         return band.masked_fill(~inside, 0.0)
 
     def _mix(
-        self, x: torch.Tensor, padding_mask: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``x: (B, T, d_model)`` with ``T <= T_max`` -> ``(B, T, d_model)``."""
+        self,
+        x: torch.Tensor,
+        padding_mask: torch.Tensor | None,
+        state: BandState | None = None,
+        *,
+        return_state: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, BandState]:
+        """``x: (B, T, d_model)`` with ``T <= T_max`` -> ``(B, T, d_model)``.
+
+        With ``return_state``: one call of the causal op continuing ``state`` (None: the empty
+        one) at position ``t0 = state.position``, the band :attr:`state_window` wide with rows
+        ``t0 .. t0 + T - 1`` (:meth:`band_rows`: the ring's keys get their biases), and the
+        state after ``x``.
+        """
         q, k, v = self.project(x)
         T = x.shape[1]
-        w_band = self.band(T) if self.window > 0 and T > 0 else q.new_zeros(T, 1)
-        q, k, v, w_band = self.match_dtypes(q, k, v, w_band)
-        y = _aft_local_band(
-            q, k, v, w_band, self.window, causal=self.causal, padding_mask=padding_mask
-        )
-        return self.output(y, padding_mask), k, v
+        if state is None and not return_state:
+            w_band = self.band(T) if self.window > 0 and T > 0 else q.new_zeros(T, 1)
+            q, k, v, w_band = self.match_dtypes(q, k, v, w_band)
+            y = _aft_local_band(
+                q, k, v, w_band, self.window, causal=self.causal, padding_mask=padding_mask
+            )
+            return self.output(y, padding_mask)
+        s, t0 = self.state_window, 0 if state is None else state.position
+        self._check_position(t0 + T - 1)
+        rows = self.band_rows(t0, T, s, s - 1) if s else q.new_zeros(T, 1)
+        q, k, v, rows = self.match_dtypes(q, k, v, rows)
+        y, state = _local_chunk(q, k, v, rows, s, 0, T, state, True, None)
+        return (self.output(y), state) if return_state else self.output(y)
 
-    def _state_after(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> AFTLocalState:
-        """The decoding state after the keys and values ``k, v: (B, T, d)`` of a whole prompt.
+    def bias_entries(self, t: int, cols: torch.Tensor) -> torch.Tensor:
+        """``w_{t, cols}``: ``(len(cols),)`` for keys ``cols`` inside the window of query ``t``
+        (decoding): :meth:`PositionBias.entries` (keys before position 0, empty ring slots, get
+        ``w_{t,0}``: never read), or ``rel_bias[cols - t + s - 1]``."""
+        if self.relative_bias:
+            return self.offsets()[cols - t + self.window - 1]
+        return self.pos_bias.entries(t, cols.clamp_min(0))
 
-        With ``s = min(window, T_max)``: the ring buffer holds keys and values
-        ``max(0, T - s) .. T - 1`` (slot ``t' mod s``), and ``gone`` sums the keys ``t' < T - s``
-        that left the window, reduced in one pass (:meth:`RunningSums.from_tokens`).
-        """
-        B, T, _ = k.shape
-        state = self._init_state(B, k.device, k.dtype)
-        cd, s = state.gone.a.dtype, state.k.shape[1]
-        k, v = k.to(cd), v.to(cd)
-        n_gone = max(0, T - s)
-        state.gone = RunningSums.from_tokens(k[:, :n_gone], v[:, :n_gone])
-        if s:
-            kept = torch.arange(n_gone, T, device=k.device)
-            state.k[:, kept % s], state.v[:, kept % s] = k[:, n_gone:], v[:, n_gone:]
-        state.t = T
-        return state
+    def offsets(self) -> torch.Tensor:
+        """The relative bias per offset, ``r = relative_gain * rel_bias`` (``relative_bias``)."""
+        return self.rel_bias * self.relative_gain
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", window={self.window}"
+        rel = ""
+        if self.relative_bias:
+            rel = f", relative_bias=True, relative_gain={self.relative_gain:g}"
+        return super().extra_repr() + f", window={self.window}{rel}"
 
     def _init_state(
         self, batch_size: int, device: torch.device | str, dtype: torch.dtype
-    ) -> AFTLocalState:
-        """Nothing outside the window (``p = -inf``), an empty ring buffer of ``min(s, T_max)``."""
-        s = min(self.window, self.max_seq_len)
-        gone = RunningSums.empty(batch_size, self.d_model, device=device, dtype=dtype)
-        buf = torch.zeros(batch_size, s, self.d_model, device=device, dtype=gone.a.dtype)
-        return AFTLocalState(gone, buf, buf.clone())
+    ) -> BandState:
+        """The empty :class:`BandState` of window ``min(s, T_max)``: nothing gone
+        (``p = -inf``), ``min(s, T_max) - 1`` empty ring slots."""
+        return BandState.empty(
+            batch_size, self.state_window, self.d_model, device=device, dtype=dtype
+        )
 
-    def _step(self, x: torch.Tensor, state: AFTLocalState) -> tuple[torch.Tensor, AFTLocalState]:
-        """One token ``x: (B, d_model)`` at position ``t``; ``O(s d)``."""
-        t = state.t
+    def _step(self, x: torch.Tensor, state: BandState) -> tuple[torch.Tensor, BandState]:
+        """One token ``x: (B, d_model)`` at position ``t = state.position``; ``O(s d)``:
+        :func:`~aftlab.mixers.aft.common.band_step` with the biases ``w_{t, t-r..t}`` of the
+        ring's keys and ``t`` (``r`` ring slots; an empty slot's bias is never read)."""
+        t = state.position
         self._check_position(t)
         q, k, v = self.project(x)
-        gone = state.gone
-        cd = gone.a.dtype
-        k, v = k.to(cd), v.to(cd)
-        s = state.k.shape[1]
-        if s == 0:
-            gone.fold(k, v)
-            num, den = gone.a, gone.b
-        else:
-            slot = t % s
-            if t >= s:  # key t - s leaves the window; its slot takes key t
-                gone.fold(state.k[:, slot], state.v[:, slot])
-            state.k[:, slot], state.v[:, slot] = k, v
-            pos = torch.arange(t - s + 1, t + 1, device=k.device)  # band keys, oldest first
-            seen = pos >= 0
-            pos = pos.clamp(min=0)
-            w = self.pos_bias.entries(t, pos).to(cd).masked_fill(~seen, float("-inf"))
-            sc = state.k[:, pos % s] + w[None, :, None]  # (B, s, d): K_t' + w_{t,t'}
-            m = torch.maximum(sc.amax(1), gone.p)  # per-(t, c) max over every key t' <= t
-            e = torch.exp(sc - m[:, None])
-            old = torch.exp(gone.p - m)
-            num = (e * state.v[:, pos % s]).sum(1) + gone.a * old
-            den = e.sum(1) + gone.b * old
-        state.t = t + 1
-        return self.output((torch.sigmoid(q.to(cd)) * num / den).to(q.dtype)), state
+        cd = state.k.dtype
+        r = state.k.shape[1]
+        if self.state_window:
+            cols = torch.arange(t - r, t + 1, device=x.device)
+            bias = self.bias_entries(t, cols).to(cd)[:, None]  # (r + 1, 1)
+        else:  # window 0: the current key too has bias 0
+            bias = k.new_zeros(1, 1, dtype=cd)
+        avg, state = band_step(state, k.to(cd), v.to(cd), bias)
+        return self.output((torch.sigmoid(q.to(cd)) * avg).to(q.dtype)), state

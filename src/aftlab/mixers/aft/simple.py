@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from ...ops._numerics import compute_dtype
 from ...ops.aft_simple import _aft_simple
 from ..registry import register_mixer
 from .common import AFTMixer, RunningSums
@@ -35,18 +34,23 @@ class AFTSimple(AFTMixer):
     """
 
     def _mix(
-        self, x: torch.Tensor, padding_mask: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``dropout(W^O aft_simple(X W^Q, X W^K, X W^V))``; ``x: (B, T, d)`` -> ``(B, T, d)``."""
-        q, k, v = self.project(x)
-        y = _aft_simple(q, k, v, causal=self.causal, padding_mask=padding_mask)
-        return self.output(y, padding_mask), k, v
+        self,
+        x: torch.Tensor,
+        padding_mask: torch.Tensor | None,
+        state: AFTSimpleState | None = None,
+        *,
+        return_state: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, AFTSimpleState]:
+        """``dropout(W^O aft_simple(X W^Q, X W^K, X W^V))``; ``x: (B, T, d)`` -> ``(B, T, d)``.
 
-    def _state_after(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> AFTSimpleState:
-        """The state after the prompt's keys and values: ``p = max_t' K_t'``,
-        ``a = sum_t' e^{K_t' - p} V_t'``, ``b = sum_t' e^{K_t' - p}``."""
-        sdt = compute_dtype(x.dtype)
-        return RunningSums.from_tokens(k.to(sdt), v.to(sdt))
+        With ``return_state``, one op call continuing ``state`` (its ``initial_state``) also
+        gives the state after ``x``: ``p = max_t' K_t'``, ``a = sum_t' e^{K_t' - p} V_t'``,
+        ``b = sum_t' e^{K_t' - p}`` over every key so far.
+        """
+        q, k, v = self.project(x)
+        out = _aft_simple(q, k, v, causal=self.causal, padding_mask=padding_mask,
+                          initial_state=state, return_state=return_state, check_state=False)
+        return self.outputs(out, padding_mask, return_state)
 
     def _init_state(
         self, batch_size: int, device: torch.device | str, dtype: torch.dtype
