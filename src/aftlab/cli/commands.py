@@ -351,29 +351,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
             f"--stride must be at most max_seq_len = {run.model_config.max_seq_len} (a window "
             f"scores at most its own tokens), got {args.stride}"
         )
+    common = {"batch_size": args.batch_size, "device": device, "precision": run.config.precision}
     if args.stream:
         try:
-            res = evaluate_stream(
-                run.model,
-                run.task,
-                args.split,
-                stride=args.stride,
-                batch_size=args.batch_size,
-                device=device,
-                precision=run.config.precision,
-            )
+            res = evaluate_stream(run.model, run.task, args.split, stride=args.stride, **common)
         except DataError as e:
             raise UsageError(str(e)) from None
     else:
-        res = evaluate(
-            run.model,
-            run.task,
-            args.split,
-            batch_size=args.batch_size,
-            max_batches=args.batches,
-            device=device,
-            precision=run.config.precision,
-        )
+        res = evaluate(run.model, run.task, args.split, max_batches=args.batches, **common)
     metric = run.task.metric
     how = f"; streamed: {res['context']}" if args.stream else ""
     print(
