@@ -178,6 +178,39 @@ def test_eval_of_a_folder_without_checkpoints(tmp_path, capsys):
     assert "does not exist" in _error_line(capsys)
 
 
+def test_eval_stream_slides_a_window_for_attention_and_carries_the_state_for_aft(
+    trained_run, tmp_path, capsys
+):
+    test_bytes = json.loads((trained_run / "task.json").read_text())["split_bytes"]["test"]
+    assert main(["eval", str(trained_run), "--stream", "--stride", "4"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("test bpb: ") and f"over {test_bytes - 1:,} targets" in out
+    assert "streamed: sliding window of max_seq_len = 16, stride 4 (the learned positional" in out
+    data = tmp_path / "data.txt"
+    data.write_text((trained_run.parent / "data.txt").read_text())
+    run = tmp_path / "aft"
+    args = ["--set", "mixer='aft-decay'", "--set", "model.positional='none'", "--steps", "1"]
+    assert main(["train", "--data", str(data), "--out", str(run), *TINY, *args]) == 0
+    capsys.readouterr()
+    assert main(["eval", str(run), "--stream", "--split", "val"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("val bpb: ") and "streamed: state carried in chunks of 16)" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--stride", "3"], "--stride applies to --stream only"),
+        (["--stream", "--batches", "2"], "--batches does not apply to --stream"),
+        (["--stream", "--stride", "17"], "--stride must be at most max_seq_len = 16"),
+        (["--stream", "--stride", "0"], "--stride must be > 0, got 0"),
+    ],
+)
+def test_eval_stream_rejects_bad_arguments(trained_run, argv, message, capsys):
+    assert main(["eval", str(trained_run), *argv]) == 2
+    assert message in _error_line(capsys)
+
+
 def test_sample_rejects_bad_arguments(trained_run, capsys):
     assert main(["sample", str(trained_run), "--temperature", "-1"]) == 2
     assert "--temperature must be >= 0" in _error_line(capsys)

@@ -111,6 +111,46 @@ def test_unbounded_positions_can_generate_past_max_seq_len(positional):
     assert lm.generate(_prompt(T=4), 9, temperature=0).shape == (3, 13)
 
 
+def test_a_long_prompt_is_prefilled_in_chunks_equal_to_one_prefill(monkeypatch):
+    """A prompt of 21 tokens into an aft-decay model of max_seq_len 8: chunks of 8, 8, 5."""
+    from aftlab.models.generation import prefill_prompt
+
+    lm = _lm(max_seq_len=8, positional="none", mixer="aft-decay")
+    with torch.no_grad():
+        for p in lm.parameters():  # weights 4x the init's: logits that depend on the prompt
+            p.mul_(4)
+    prompt = _prompt(B=2, T=21)
+    with torch.no_grad():
+        whole, cache = lm.prefill(prompt, logits_to_keep=1)  # one pass (no length limit)
+    seq = prompt
+    with torch.no_grad():  # the reference: greedy decoding from the one-pass prefill
+        logits = whole[:, -1]
+        for _ in range(6):
+            token = logits.argmax(-1)
+            seq = torch.cat([seq, token[:, None]], 1)
+            logits = lm.step(token, cache)
+    calls = []
+    prefill = TransformerLM.prefill
+
+    def spy(self, idx, **kwargs):
+        calls.append((idx.shape[1], kwargs.get("cache") is not None))
+        return prefill(self, idx, **kwargs)
+
+    monkeypatch.setattr(TransformerLM, "prefill", spy)
+    with torch.no_grad():
+        chunked, _ = prefill_prompt(lm, prompt)
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-5)
+    assert calls == [(8, False), (8, True), (5, True)]
+    assert torch.equal(lm.generate(prompt, 6, temperature=0), seq)
+    assert calls[3:] == [(8, False), (8, True), (5, True)]
+
+
+def test_a_prompt_longer_than_a_length_limit_keeps_its_error():
+    lm = _lm(max_seq_len=8, mixer="aft-decay")  # learned positions
+    with pytest.raises(ValueError, match=r"prompt length 9 \+ max_new_tokens 1 = 10 exceeds max_s"):
+        lm.generate(_prompt(T=9), 1)
+
+
 def test_sample_next_token_top_k_support():
     logits = torch.randn(4, 50)
     top3 = logits.topk(3, dim=-1).indices

@@ -110,3 +110,30 @@ def test_rng_state_round_trip():
     set_rng_state(state)
     b = (torch.rand(3), __import__("random").random(), __import__("numpy").random.rand())
     assert torch.equal(a[0], b[0]) and a[1:] == b[1:]
+
+
+def test_a_carried_state_is_checked_like_every_file_of_the_checkpoint(tmp_path):
+    from aftlab.train.checkpoint import load_carried_state
+
+    model = Tied()
+    carried = ({"states.0.a": torch.randn(2, 3), "states.0.valid": torch.ones(2, 1).bool()},
+               {"position": 7, "batch_size": 2, "states.0.position": 7})  # fmt: skip
+    opt = torch.optim.AdamW(model.parameters())
+    state = {"step": 1, "optimizer": opt.state_dict(), "rng": rng_state()}
+    path = save_checkpoint(
+        tmp_path, step=1, model=model, config={}, train_state=state, keep_last=2, carried=carried
+    )
+    assert "carried_state.safetensors" in verify_checkpoint(path)["files"]
+    tensors, values = load_carried_state(path)
+    assert values == carried[1] and tensors.keys() == carried[0].keys()
+    assert all(torch.equal(tensors[k], carried[0][k]) for k in tensors)
+    data = bytearray((path / "carried_state.safetensors").read_bytes())
+    data[-1] ^= 1
+    (path / "carried_state.safetensors").write_bytes(bytes(data))
+    with pytest.raises(UsageError, match="carried_state.safetensors does not match its sha256"):
+        verify_checkpoint(path)
+    plain = _save(tmp_path / "plain", 1, model)  # no carried state: none may be planted
+    assert load_carried_state(plain) is None
+    (plain / "carried_state.safetensors").write_bytes(bytes(data))
+    with pytest.raises(UsageError, match="carried_state.safetensors is not in manifest.json"):
+        verify_checkpoint(plain)

@@ -295,8 +295,10 @@ def add_eval(sub) -> None:
         cmd_eval,
         help="evaluate a run on its validation or test split",
         description="Print the task's metric (bpc, bpb, bits/dim or accuracy) of a run's newest "
-        "checkpoint.",
-        epilog="example: aftlab eval runs/text-attention-20260101-120000 --split test",
+        "checkpoint. With --stream, a text split is read as one stream: a model whose state has a "
+        "fixed size carries it through chunks of seq_len (every byte sees the whole split before "
+        "it); any other reads sliding windows of max_seq_len (docs/training.md).",
+        epilog="example: aftlab eval runs/text-attention-20260101-120000 --split test --stream",
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="a folder written by aftlab train")
     p.add_argument(
@@ -312,32 +314,57 @@ def add_eval(sub) -> None:
         "--data", metavar="PATH", help="read the data from PATH instead of the run's data path"
     )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
+    p.add_argument(
+        "--stream",
+        action="store_true",
+        help="score the split as one continuous stream: the state carried through chunks of "
+        "seq_len, or sliding windows of max_seq_len for attention, aft-full, absolute aft-local "
+        "and learned positions (text tasks)",
+    )
+    p.add_argument(
+        "--stride",
+        type=int,
+        metavar="N",
+        help="with --stream, new tokens per sliding window (1 .. max_seq_len; default "
+        "max_seq_len // 2)",
+    )
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from ..data import DataError
     from ..train.run import load_run
+    from ..train.streams import evaluate_stream
     from ..train.trainer import evaluate
 
-    for name in ("batches", "batch_size"):
+    for name in ("batches", "batch_size", "stride"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if args.stream and args.batches is not None:
+        raise UsageError("--batches does not apply to --stream, which scores the whole split")
+    if args.stride is not None and not args.stream:
+        raise UsageError("--stride applies to --stream only (the sliding windows' step)")
     device = check_device(args.device)
     run = load_run(args.run_dir, device=device, data=args.data)
     check_finite_weights(run)
-    res = evaluate(
-        run.model,
-        run.task,
-        args.split,
-        batch_size=args.batch_size,
-        max_batches=args.batches,
-        device=device,
-        precision=run.config.precision,
-    )
+    if args.stride is not None and args.stride > run.model_config.max_seq_len:
+        raise UsageError(
+            f"--stride must be at most max_seq_len = {run.model_config.max_seq_len} (a window "
+            f"scores at most its own tokens), got {args.stride}"
+        )
+    common = {"batch_size": args.batch_size, "device": device, "precision": run.config.precision}
+    if args.stream:
+        try:
+            res = evaluate_stream(run.model, run.task, args.split, stride=args.stride, **common)
+        except DataError as e:
+            raise UsageError(str(e)) from None
+    else:
+        res = evaluate(run.model, run.task, args.split, max_batches=args.batches, **common)
     metric = run.task.metric
+    how = f"; streamed: {res['context']}" if args.stream else ""
     print(
         f"{args.split} {metric}: {res[metric]:.4f}  (loss {res['loss']:.4f} nats over "
         f"{res['targets']:,} "
-        f"targets; step {run.step}, {run.config.mixer} on {run.config.task})"
+        f"targets; step {run.step}, {run.config.mixer} on {run.config.task}{how})"
     )
     return 0
 

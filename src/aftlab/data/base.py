@@ -30,6 +30,7 @@ __all__ = [
     "count_correct",
     "step_rng",
     "shard",
+    "pack_rows",
 ]
 
 #: Target value of positions that carry no loss (PyTorch's ``cross_entropy`` default).
@@ -120,6 +121,14 @@ def check_batch_args(where: str, *, step: int, batch_size: int, rank: int, world
     check_positive_int(where, "rank", rank, allow_zero=True)
     if rank >= world_size:
         raise ValueError(f"{where}: 'rank' must be < world_size={world_size}, got {rank}")
+
+
+def check_window_args(
+    where: str, *, step: int, batch_size: int, rank: int, world_size: int, windows: int
+) -> None:
+    """Validate the arguments of :meth:`Task.consecutive_windows` (errors name the argument)."""
+    check_batch_args(where, step=step, batch_size=batch_size, rank=rank, world_size=world_size)
+    check_positive_int(where, "windows", windows)
 
 
 def shard(global_rows: np.ndarray, *, batch_size: int, rank: int) -> np.ndarray:
@@ -256,6 +265,51 @@ class Task:
             "seed": self.seed,
         }
 
+    # ----------------------------------------------------------------- long streams
+    def document_starts(self, split: str) -> np.ndarray | None:
+        """Offsets into ``split`` where a document begins (sorted int64, from 0), or ``None``
+        for a task without document boundaries (one file, generated data, images)."""
+        return None
+
+    def stream(self, split: str) -> np.ndarray:
+        """``split`` as one continuous 1-d stream of token ids (``aftlab eval --stream``).
+
+        Raises:
+            DataError: the task is not a stream of tokens (only the byte-level text tasks are).
+        """
+        raise DataError(self._not_a_stream("eval --stream"))
+
+    def consecutive_windows(
+        self, step: int, *, batch_size: int, rank: int = 0, world_size: int = 1, windows: int = 1
+    ) -> dict[str, torch.Tensor]:
+        """The ``windows`` consecutive windows of every stream read at ``step`` (``carry_state``;
+        :meth:`ByteLMTask.consecutive_windows`).
+
+        Raises:
+            DataError: the task is not a stream of tokens.
+        """
+        raise DataError(self._not_a_stream("carry_state"))
+
+    def document_batch(
+        self, step: int, *, batch_size: int, rank: int = 0, world_size: int = 1
+    ) -> dict[str, torch.Tensor]:
+        """:meth:`train_batch`'s rows with their document starts (``pack_documents``;
+        :meth:`ByteLMTask.document_batch`).
+
+        Raises:
+            DataError: the task has no document boundaries.
+        """
+        raise DataError(
+            f"pack_documents: task {self.name!r} has no document boundaries; it needs a corpus "
+            "of several files (--task text with a folder as --data, or the default stdlib corpus)"
+        )
+
+    def _not_a_stream(self, what: str) -> str:
+        return (
+            f"{what}: task {self.name!r} is not one stream of tokens; it needs a byte-level text "
+            "task (text, enwik8, text8)"
+        )
+
     # ----------------------------------------------------------------- metric
     def metric_from_loss(self, mean_nll_nats: float) -> float:
         """Convert a mean negative log-likelihood in nats into the task's bits metric.
@@ -298,6 +352,31 @@ def check_eval_args(where: str, *, batch_size: int, max_batches: int | None) -> 
     check_positive_int(where, "batch_size", batch_size)
     if max_batches is not None:
         check_positive_int(where, "max_batches", max_batches)
+
+
+def pack_rows(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A document batch of ``B`` rows as one row of packed documents (``pack_documents``).
+
+    ``batch``: ``input``, ``target`` ``(B, T)`` and ``doc_start`` ``(B, T)`` bool, True where a
+    document begins (:meth:`ByteLMTask.document_batch`). Every row start and every document
+    start inside a row begins a new document of the packed row, so no position sees another row
+    or another document.
+
+    Returns:
+        ``{"input": (1, B T), "target": (1, B T), "cu_seqlens": int32 [0, n_1, ..., B T]}``
+        (the FlashAttention convention of :mod:`aftlab.ops._packed`).
+    """
+    start = batch["doc_start"]
+    B, T = start.shape
+    first = start.reshape(-1).clone()
+    first[::T] = True
+    ends = torch.tensor([B * T], dtype=torch.int64, device=first.device)
+    cu = torch.cat([first.nonzero()[:, 0], ends]).to(torch.int32)
+    return {
+        "input": batch["input"].reshape(1, B * T),
+        "target": batch["target"].reshape(1, B * T),
+        "cu_seqlens": cu,
+    }
 
 
 def batch_slices(n: int, *, batch_size: int, max_batches: int | None) -> Iterator[slice]:

@@ -40,8 +40,10 @@ from .base import (
     DataError,
     Task,
     batch_slices,
+    check_batch_args,
     check_eval_args,
     check_input_path,
+    check_window_args,
     shard,
     step_rng,
     take_options,
@@ -76,6 +78,11 @@ class ByteLMTask(Task):
     the final ``T + 1`` bytes of the split, whose first ``T - r`` targets (already scored) are
     ``-100``. Every window is full length with full left context, so no padding is needed.
 
+    Long streams (docs/training.md): :meth:`consecutive_windows` reads the train split as
+    contiguous streams (``carry_state``), :meth:`document_batch` adds the file boundaries of a
+    folder corpus to the training rows (``pack_documents``), :meth:`stream` is a split as one
+    stream (``aftlab eval --stream``).
+
     Args:
         name: task name.
         splits: ``{"train", "val", "test"}`` -> 1-d ``uint8`` arrays (memory maps).
@@ -84,6 +91,8 @@ class ByteLMTask(Task):
         metric: ``"bpb"`` (bits per byte) or ``"bpc"`` (bits per character).
         source: description for :meth:`info`.
         details: extra entries for :meth:`info`.
+        documents: ``{split: offsets}``, where each file of a folder corpus begins in each split
+            (sorted int64 offsets from 0), or ``None`` for one file (no boundaries).
     """
 
     kind = "lm"
@@ -99,8 +108,10 @@ class ByteLMTask(Task):
         metric: str,
         source: str,
         details: dict[str, Any] | None = None,
+        documents: dict[str, np.ndarray] | None = None,
     ) -> None:
         self.name = name
+        self.documents = documents
         self.seq_len = seq_len
         self.seed = seed
         self.metric = metric
@@ -122,17 +133,120 @@ class ByteLMTask(Task):
         out.update(self.details)
         return out
 
+    def _train_offsets(self, step: int, *, batch_size: int, rank: int, world_size: int):
+        """This rank's window starts ``o`` of the training batch of ``step``, ``(B,)`` int64."""
+        n, T = len(self.splits["train"]), self.seq_len
+        offsets = step_rng(self.seed, step, 1).integers(0, n - T, size=batch_size * world_size)
+        return shard(offsets, batch_size=batch_size, rank=rank)
+
+    def _rows(self, split: str, offsets: np.ndarray) -> dict[str, torch.Tensor]:
+        """``input = x[o : o + T]``, ``target = x[o + 1 : o + T + 1]`` for each offset ``o``."""
+        x, T = self.splits[split], self.seq_len
+        rows = torch.from_numpy(np.stack([x[o : o + T + 1] for o in offsets]).astype(np.int64))
+        return {"input": rows[:, :-1].contiguous(), "target": rows[:, 1:].contiguous()}
+
     def _train_batch(
         self, step: int, *, batch_size: int, rank: int, world_size: int
     ) -> dict[str, torch.Tensor]:
-        x = self.splits["train"]
-        T = self.seq_len
-        offsets = step_rng(self.seed, step, 1).integers(0, len(x) - T, size=batch_size * world_size)
-        rows = np.stack(
-            [x[o : o + T + 1] for o in shard(offsets, batch_size=batch_size, rank=rank)]
+        offsets = self._train_offsets(step, batch_size=batch_size, rank=rank, world_size=world_size)
+        return self._rows("train", offsets)
+
+    # ----------------------------------------------------------------- long streams
+    def document_starts(self, split: str) -> np.ndarray | None:
+        """Where each file of a folder corpus begins in ``split`` (offsets from 0), or ``None``
+        for one file or a corpus (enwik8, text8), which have no boundaries."""
+        return None if self.documents is None else self.documents[split]
+
+    def stream(self, split: str) -> np.ndarray:
+        """``split`` (``"val"`` or ``"test"``) as one ``uint8`` stream of byte ids."""
+        self._check_split(split)
+        return self.splits[split]
+
+    def stream_geometry(self, streams: int) -> tuple[int, int]:
+        """``(L, W)``: the train split cut into ``streams`` contiguous streams of ``L = floor(n /
+        streams)`` bytes, each read as ``W = floor((L - 1) / T)`` consecutive windows.
+
+        Raises:
+            DataError: a stream is shorter than one window (``L < T + 1``).
+        """
+        n, T = len(self.splits["train"]), self.seq_len
+        length = n // streams
+        if length < T + 1:
+            raise DataError(
+                f"carry_state: the train split of {self.name} ({n:,} bytes) cut into "
+                f"batch_size={streams} streams gives {length:,} bytes each, fewer than one "
+                f"window of seq_len+1={T + 1}; use a smaller batch_size or seq_len, or more data"
+            )
+        return length, (length - 1) // T
+
+    def consecutive_windows(
+        self, step: int, *, batch_size: int, rank: int = 0, world_size: int = 1, windows: int = 1
+    ) -> dict[str, torch.Tensor]:
+        """Windows ``w = step k .. step k + k - 1`` (``k = windows``) of every training stream.
+
+        The train split ``x`` (``n`` bytes) is cut into ``G = batch_size * world_size``
+        contiguous streams of ``L = floor(n / G)`` bytes (stream ``r`` starts at ``r L``; the
+        last ``n - G L`` bytes are never read), each read as ``W = floor((L - 1) / T)`` windows
+        (:meth:`stream_geometry`). Window ``w`` of stream ``r`` starts at ``o = r L + (w mod W)
+        T``: ``input = x[o : o + T]``, ``target = x[o + 1 : o + T + 1]``, so window ``w + 1``
+        continues window ``w`` byte for byte, and every stream wraps to its start after ``W``
+        windows. This rank reads streams ``[rank B, (rank + 1) B)``. A pure function of the
+        arguments, like :meth:`train_batch`.
+
+        Returns:
+            ``{"input": (k, B, T), "target": (k, B, T), "reset": (k,) bool}``; ``reset[j]`` is
+            True when window ``j`` begins every stream anew (``w mod W == 0``): the state carried
+            into it must be the empty one.
+        """
+        check_window_args(
+            f"{self.name}.consecutive_windows",
+            step=step,
+            batch_size=batch_size,
+            rank=rank,
+            world_size=world_size,
+            windows=windows,
         )
-        rows = torch.from_numpy(rows.astype(np.int64))
-        return {"input": rows[:, :-1].contiguous(), "target": rows[:, 1:].contiguous()}
+        length, W = self.stream_geometry(batch_size * world_size)
+        starts = (rank * batch_size + np.arange(batch_size, dtype=np.int64)) * length
+        w = step * windows + np.arange(windows, dtype=np.int64)
+        parts = [self._rows("train", starts + (i % W) * self.seq_len) for i in w]
+        return {
+            "input": torch.stack([p["input"] for p in parts]),
+            "target": torch.stack([p["target"] for p in parts]),
+            "reset": torch.from_numpy(w % W == 0),
+        }
+
+    def document_batch(
+        self, step: int, *, batch_size: int, rank: int = 0, world_size: int = 1
+    ) -> dict[str, torch.Tensor]:
+        """:meth:`train_batch`'s rows (the same bytes) with the file boundaries inside them.
+
+        Returns:
+            ``{"input": (B, T), "target": (B, T), "doc_start": (B, T) bool}``: ``doc_start`` is
+            True at each row's first position and where a file begins; a target that is the
+            first byte of a file (the last byte of the file before predicting it) is ``-100``.
+            :func:`~aftlab.data.base.pack_rows` packs it into one row with ``cu_seqlens``.
+
+        Raises:
+            DataError: the corpus is one file (no boundaries).
+        """
+        check_batch_args(
+            f"{self.name}.document_batch",
+            step=step,
+            batch_size=batch_size,
+            rank=rank,
+            world_size=world_size,
+        )
+        starts = self.document_starts("train")
+        if starts is None:
+            super().document_batch(step, batch_size=batch_size, rank=rank, world_size=world_size)
+        offsets = self._train_offsets(step, batch_size=batch_size, rank=rank, world_size=world_size)
+        batch = self._rows("train", offsets)
+        begins = np.isin(offsets[:, None] + np.arange(self.seq_len + 1), starts)
+        doc_start = torch.from_numpy(begins[:, :-1].copy())
+        doc_start[:, 0] = True
+        batch["target"][torch.from_numpy(begins[:, 1:].copy())] = IGNORE_INDEX
+        return {**batch, "doc_start": doc_start}
 
     def eval_windows(self, split: str) -> list[tuple[int, int]]:
         """``(start, first_scored)`` of every evaluation window of ``split``.
@@ -278,7 +392,7 @@ def _position_split(n: int, fractions: tuple[float, float, float]) -> tuple[int,
 
 def _concat_cached(
     root: Path, groups: dict[str, list[Path]], *, tag: str, cache: Path
-) -> tuple[np.ndarray, dict[str, tuple[int, int]]]:
+) -> tuple[np.ndarray, dict[str, tuple[int, int]], np.ndarray]:
     """Concatenate ``groups`` (train, val, test in order) into one cache file; memory-map it.
 
     The file name hashes the root, the relative paths, sizes and modification times, so a
@@ -286,15 +400,17 @@ def _concat_cached(
     so concurrent builders (one per rank) and a kill mid-write leave no partial cache.
 
     Returns:
-        The memory map and ``{split: (start, end)}`` byte ranges.
+        The memory map, ``{split: (start, end)}`` byte ranges and the offset where each file
+        begins in the file (int64, in concatenation order).
     """
     h = hashlib.sha256(f"{_CACHE_VERSION}\0{root.resolve()}\0".encode())
-    ranges, pos = {}, 0
+    ranges, pos, begins = {}, 0, []
     for split in ("train", "val", "test"):
         start = pos
         for rel in groups[split]:
             st = (root / rel).stat()
             h.update(f"{split}\0{rel.as_posix()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+            begins.append(pos)
             pos += st.st_size
         ranges[split] = (start, pos)
     path = cache / f"{tag}-{h.hexdigest()[:20]}.bin"
@@ -305,7 +421,7 @@ def _concat_cached(
             [rel for split in ("train", "val", "test") for rel in groups[split]],
             size=pos,
         )
-    return np.memmap(path, dtype=np.uint8, mode="r"), ranges
+    return np.memmap(path, dtype=np.uint8, mode="r"), ranges, np.array(begins, dtype=np.int64)
 
 
 def _write_atomic(path: Path, root: Path, files: list[Path], *, size: int) -> None:
@@ -335,20 +451,25 @@ def _write_atomic(path: Path, root: Path, files: list[Path], *, size: int) -> No
 
 def _folder_splits(
     root: Path, files: list[Path], *, tag: str, cache: Path, fractions: tuple[float, float, float]
-) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+) -> tuple[dict[str, np.ndarray], dict[str, Any], dict[str, np.ndarray]]:
+    """``(splits, details, documents)`` of a folder: the memory-mapped splits, what :meth:`info`
+    adds, each split's file starts (:meth:`ByteLMTask.document_starts`)."""
     if len(files) >= 3:
         groups = assign_files(files, fraction=fractions[1] / sum(fractions))
         rule = "by file (SHA-1 of relative path)"
     else:
         groups = {"train": files, "val": [], "test": []}
         rule = "by position (fewer than 3 files)"
-    mm, ranges = _concat_cached(root, groups, tag=tag, cache=cache)
+    mm, ranges, begins = _concat_cached(root, groups, tag=tag, cache=cache)
     if len(files) < 3:
         train_end, val_end = _position_split(len(mm), fractions)
         ranges = {"train": (0, train_end), "val": (train_end, val_end), "test": (val_end, len(mm))}
     splits = {k: mm[a:b] for k, (a, b) in ranges.items()}
+    documents = {  # each split's file starts, from its own offset 0 (a split begins one)
+        k: np.union1d([0], begins[(begins >= a) & (begins < b)] - a) for k, (a, b) in ranges.items()
+    }
     details = {"files": {k: len(v) for k, v in groups.items()}, "split_rule": rule}
-    return splits, details
+    return splits, details, documents
 
 
 def _fractions(task: str, value: Any) -> tuple[float, float, float]:
@@ -381,16 +502,24 @@ def build_text(
         _fractions("text", opts["split_fractions"]) if opts["split_fractions"] else (90.0, 5.0, 5.0)
     )
     cache = cache_dir(opts["cache_dir"])
-    splits, source, details = _text_splits(data, cache=cache, fractions=fractions)
+    splits, source, details, documents = _text_splits(data, cache=cache, fractions=fractions)
     return ByteLMTask(
-        "text", splits, seq_len=seq_len, seed=seed, metric="bpb", source=source, details=details
+        "text",
+        splits,
+        seq_len=seq_len,
+        seed=seed,
+        metric="bpb",
+        source=source,
+        details=details,
+        documents=documents,
     )
 
 
 def _text_splits(
     data: str | os.PathLike | None, *, cache: Path, fractions: tuple[float, float, float]
-) -> tuple[dict[str, np.ndarray], str, dict[str, Any]]:
-    """``(splits, source, details)`` of the ``text`` task: stdlib sources, a folder or a file."""
+) -> tuple[dict[str, np.ndarray], str, dict[str, Any], dict[str, np.ndarray] | None]:
+    """``(splits, source, details, documents)`` of the ``text`` task: stdlib sources, a folder
+    or a file (``documents`` None: one file has no boundaries)."""
     if data is None:
         root, files = stdlib_files()
         if len(files) < 3:
@@ -399,9 +528,11 @@ def _text_splits(
                 "text file or folder"
             )
         tag = f"stdlib-py{sys.version_info.major}.{sys.version_info.minor}"
-        splits, details = _folder_splits(root, files, tag=tag, cache=cache, fractions=fractions)
+        splits, details, docs = _folder_splits(
+            root, files, tag=tag, cache=cache, fractions=fractions
+        )
         source = f"Python {sys.version_info.major}.{sys.version_info.minor} standard library (.py)"
-        return splits, source, {**details, "root": str(root)}
+        return splits, source, {**details, "root": str(root)}, docs
     path = _existing(data, "text")
     if path.is_dir():
         files = list_text_files(path)
@@ -410,8 +541,10 @@ def _text_splits(
                 f"the folder {path} holds no non-empty UTF-8 text files; point --data at a text "
                 "file or a folder of them"
             )
-        splits, details = _folder_splits(path, files, tag="text", cache=cache, fractions=fractions)
-        return splits, str(path), details
+        splits, details, docs = _folder_splits(
+            path, files, tag="text", cache=cache, fractions=fractions
+        )
+        return splits, str(path), details, docs
     if not _looks_like_text(_sniff(path)):
         raise DataError(
             f"{path} does not look like UTF-8 text (NUL bytes or invalid UTF-8 in its first "
@@ -420,7 +553,7 @@ def _text_splits(
     mm = np.memmap(path, dtype=np.uint8, mode="r")
     train_end, val_end = _position_split(len(mm), fractions)
     splits = {"train": mm[:train_end], "val": mm[train_end:val_end], "test": mm[val_end:]}
-    return splits, str(path), {"split_rule": "by position"}
+    return splits, str(path), {"split_rule": "by position"}, None
 
 
 def _existing(data: str | os.PathLike | None, task: str) -> Path:

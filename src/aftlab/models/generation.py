@@ -6,7 +6,9 @@
 parallel pass (``prefill``, the last position's logits only), then draw each new token with
 :func:`sample_next_token` from ``softmax(logits / temperature)`` over the ``top_k`` largest and
 feed it back (``step``). A model built on :class:`~aftlab.models.transformer.TransformerBackbone`
-decodes from a :class:`DecodingCache` (one mixer state per block).
+decodes from a :class:`DecodingCache` (one mixer state per block). A prompt longer than
+``max_seq_len`` of a model without a length limit is prefilled in chunks of ``max_seq_len``,
+each continuing the cache (:func:`prefill_prompt`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ __all__ = [
     "generate",
     "stream_generate",
     "draw_tokens",
+    "prefill_prompt",
     "sample_next_token",
     "check_sampling_args",
 ]
@@ -71,9 +74,10 @@ class CausalLM(Protocol):
     * ``length_limit``: a :class:`LengthLimit` when the model cannot run past a length, else
       None.
     * ``init_cache(batch_size, *, device=None, dtype=None)``: the empty decoding cache.
-    * ``prefill(idx, *, logits_to_keep=0)``: ``(logits, cache)`` after the prompt
-      ``idx: (B, T)`` in one call; ``logits`` ``(B, T, V)``, or of the last ``logits_to_keep``
-      positions only; the cache is at position ``T``. It checks ``idx``.
+    * ``prefill(idx, *, cache=None, logits_to_keep=0)``: ``(logits, cache)`` after the prompt
+      ``idx: (B, T)`` in one call, continuing ``cache`` (``None``: the empty one); ``logits``
+      ``(B, T, V)``, or of the last ``logits_to_keep`` positions only; the cache is ``T``
+      positions further. It checks ``idx``.
     * ``step(tokens, cache)``: the logits ``(B, V)`` after one more token ``tokens: (B,)`` per
       sequence; advances ``cache`` in place.
     """
@@ -93,7 +97,7 @@ class CausalLM(Protocol):
     ) -> Any: ...
 
     def prefill(
-        self, idx: torch.Tensor, *, logits_to_keep: int = 0
+        self, idx: torch.Tensor, *, cache: Any = None, logits_to_keep: int = 0
     ) -> tuple[torch.Tensor, Any]: ...
 
     def step(self, tokens: torch.Tensor, cache: Any) -> torch.Tensor: ...
@@ -154,11 +158,32 @@ def _stream(
 ) -> Iterator[torch.Tensor]:
     if max_new_tokens == 0:
         return
-    logits, cache = model.prefill(prompt, logits_to_keep=1)  # the prompt in one parallel pass
+    logits, cache = prefill_prompt(model, prompt)
     yield from draw_tokens(
         model, logits[:, -1], cache, max_new_tokens,
         temperature=temperature, top_k=top_k, generator=generator,
     )
+
+
+def prefill_prompt(model: CausalLM, prompt: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """The last position's logits ``(B, 1, V)`` and the cache after ``prompt: (B, T0)``.
+
+    One parallel pass (``model.prefill``), or, for a prompt longer than ``max_seq_len`` (the
+    model's ``config.max_seq_len``) of a model without a ``length_limit``, one pass per chunk of
+    ``max_seq_len`` tokens, each continuing the cache the last left (``prefill(chunk,
+    cache=cache)``): the same logits and cache (within float rounding), and no pass longer
+    than the model was built for (attention's ``O(T^2)`` scores). A length-limited model never
+    gets here with a longer prompt (:func:`generate` refuses it).
+    """
+    chunk = getattr(getattr(model, "config", None), "max_seq_len", None)
+    T0 = prompt.shape[1]
+    if model.length_limit is not None or chunk is None or T0 <= chunk:
+        return model.prefill(prompt, logits_to_keep=1)
+    cache = None
+    for start in range(0, T0, chunk):
+        part = prompt[:, start : start + chunk]
+        logits, cache = model.prefill(part, cache=cache, logits_to_keep=1)
+    return logits, cache
 
 
 def generate(
@@ -172,14 +197,18 @@ def generate(
 ) -> torch.Tensor:
     """Continue ``prompt`` by sampling ``max_new_tokens`` tokens from ``model`` autoregressively.
 
-    The prompt is fed in one parallel pass (``model.prefill``), then each token is drawn
+    The prompt is fed in one parallel pass (``model.prefill``; in chunks of ``max_seq_len``
+    for a longer prompt of a model without a length limit: :func:`prefill_prompt`), then each
+    token is drawn
     from ``softmax(logits / temperature)`` over the ``top_k`` largest logits
     (:func:`sample_next_token`) and fed back (``model.step``); ``temperature=0`` is greedy.
     Runs under ``torch.no_grad()``; call ``model.eval()`` first to disable dropout.
 
     Args:
         model: a :class:`CausalLM`, e.g. a :class:`~aftlab.models.TransformerLM`.
-        prompt: ``(B, T0)`` token ids, ``T0 >= 1``.
+        prompt: ``(B, T0)`` token ids, ``T0 >= 1``; any length for a model without a
+            ``length_limit`` (aft-simple, aft-decay, aft-conv; attention with positions
+            ``"none"``, ``"sinusoidal"`` or ``"rotary"``).
         max_new_tokens: ``N >= 0``.
         temperature: ``>= 0``.
         top_k: ``None`` or ``1 <= k <= vocab_size``.

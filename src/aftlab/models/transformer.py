@@ -409,9 +409,11 @@ class TransformerLM(nn.Module):
     def batch_input(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
         """The arguments of :meth:`forward` for a task batch: ``model(**model.batch_input(b))``.
 
-        ``idx = batch["input"]`` and ``padding_mask = batch.get("padding_mask")``.
+        ``idx = batch["input"]`` and ``padding_mask = batch.get("padding_mask")``; a packed
+        batch's ``cu_seqlens`` too (``pack_documents``: :func:`aftlab.data.base.pack_rows`).
         """
-        return {"idx": batch["input"], "padding_mask": batch.get("padding_mask")}
+        packed = {"cu_seqlens": batch["cu_seqlens"]} if "cu_seqlens" in batch else {}
+        return {"idx": batch["input"], "padding_mask": batch.get("padding_mask"), **packed}
 
     def forward(
         self,

@@ -9,6 +9,10 @@ Layout of one checkpoint, ``RUN/checkpoints/step_00000100/``:
   and NumPy RNG states;
 * ``train_state.json``         the rest of it: step, tokens seen, optimizer hyper-parameters,
   Python's RNG state, each tensor replaced by ``{"tensor": its name in the .safetensors}``;
+* ``carried_state.safetensors`` (``carry_state`` runs only) the model state carried from this
+  step to the next (docs/training.md, "Carried state"): each tensor of the
+  :class:`~aftlab.models.DecodingCache` by its field path (``states.0.gone.a``), the plain
+  values (positions, ``batch_size``) as JSON in the file's metadata (``"values"``);
 * ``manifest.json``            ``{"step": 100, "files": {name: {"sha256": ..., "bytes": ...}}}``.
 
 Nothing is pickled: a checkpoint is safetensors and JSON, so loading one cannot run code. A
@@ -39,7 +43,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file, save_model
 from torch import nn
 
@@ -59,6 +63,7 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "verify_checkpoint",
+    "load_carried_state",
     "rng_state",
     "set_rng_state",
     "atomic_write_text",
@@ -77,6 +82,7 @@ STATE_TENSORS = "train_state.safetensors"
 STATE_JSON = "train_state.json"
 MANIFEST_FILE = "manifest.json"
 FILES = (MODEL_FILE, CONFIG_FILE, STATE_TENSORS, STATE_JSON)
+CARRIED_FILE = "carried_state.safetensors"  # written by carry_state runs only
 LEGACY_STATE = "train_state.pt"  # a pickle, written by older versions: refused, never loaded
 LOCK_FILE = ".lock"
 _STARTED = time.strftime("%Y-%m-%d %H:%M:%S")  # when this process loaded aftlab (its lock says)
@@ -292,6 +298,7 @@ def save_checkpoint(
     config: dict[str, Any],
     train_state: dict[str, Any],
     keep_last: int,
+    carried: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None,
 ) -> Path:
     """Write checkpoint ``step`` atomically and keep only the newest ``keep_last``.
 
@@ -307,6 +314,9 @@ def save_checkpoint(
         train_state: optimizer state, RNG states and counters: nested dicts (string or integer
             keys), lists, tuples, tensors, numbers, strings and ``None``.
         keep_last: number of checkpoints to keep.
+        carried: the carried state as ``(tensors, values)`` by field path
+            (:func:`aftlab.train.streams.flatten_state`), written to ``carried_state.safetensors``
+            (the values JSON in its metadata); ``None``: no such file.
 
     Returns:
         The checkpoint folder.
@@ -334,8 +344,14 @@ def save_checkpoint(
         save_file(tensors, str(tmp / STATE_TENSORS), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(dumps(config, indent=2, sort_keys=True), encoding="utf-8")
         (tmp / STATE_JSON).write_text(state_json, encoding="utf-8")
+        written = FILES
+        if carried is not None:
+            state = {k: v.detach().cpu().clone() for k, v in carried[0].items()}  # no shared memory
+            values = json.dumps(carried[1], allow_nan=False, sort_keys=True)
+            save_file(state, str(tmp / CARRIED_FILE), metadata={"format": "pt", "values": values})
+            written = (*FILES, CARRIED_FILE)
         files = {}
-        for fname in FILES:
+        for fname in written:
             fsync_path(tmp / fname)
             size = (tmp / fname).stat().st_size
             files[fname] = {"sha256": sha256_file(tmp / fname), "bytes": size}
@@ -391,7 +407,7 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     what = "delete this checkpoint folder to fall back to the previous one, or retrain"
     _check_location(path)
-    for fname in (MANIFEST_FILE, *FILES):
+    for fname in (MANIFEST_FILE, *FILES, CARRIED_FILE):
         if (path / fname).is_symlink():
             raise UsageError(
                 f"checkpoint {str(path)!r} is refused: its {fname} is a symbolic link, and a "
@@ -417,7 +433,12 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
             f"checkpoint {str(path)!r} has a pickled training state ({LEGACY_STATE}, written by an "
             "older aftlab); aftlab does not load pickles, which can run code: retrain the run"
         )
-    for fname in FILES:
+    if (path / CARRIED_FILE).exists() and CARRIED_FILE not in files:
+        raise UsageError(
+            f"checkpoint {str(path)!r} is damaged: its {CARRIED_FILE} is not in {MANIFEST_FILE} "
+            f"(copied in?; {what})"
+        )
+    for fname in (*FILES, *([CARRIED_FILE] if CARRIED_FILE in files else [])):
         f = path / fname
         entry = files.get(fname)
         if not isinstance(entry, dict) or not f.is_file():
@@ -505,6 +526,32 @@ def load_checkpoint(
             f"checkpoint {str(path)!r} has an unreadable training state ({type(e).__name__}: "
             f"{e}); delete this checkpoint folder to fall back to the previous one"
         ) from None
+
+
+def load_carried_state(
+    path: str | Path,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+    """The carried state ``(tensors, values)`` of a checkpoint verified by :func:`load_checkpoint`
+    (``carried_state.safetensors``), or ``None`` when it has none.
+
+    Raises:
+        UsageError: the file is unreadable, or its metadata holds no JSON ``values``.
+    """
+    f = Path(path) / CARRIED_FILE
+    if not f.is_file():
+        return None
+    try:
+        tensors = load_file(str(f), device="cpu")
+        with safe_open(str(f), framework="pt") as handle:
+            values = json.loads((handle.metadata() or {})["values"])
+        if not isinstance(values, dict):
+            raise TypeError(f"values is a {type(values).__name__}, not an object")
+    except Exception as e:  # safetensors', json's and the metadata's errors alike
+        raise UsageError(
+            f"checkpoint {str(path)!r} has an unreadable {CARRIED_FILE} ({type(e).__name__}: "
+            f"{e}); delete this checkpoint folder to fall back to the previous one"
+        ) from None
+    return tensors, values
 
 
 def run_started(run_dir: str | Path) -> bool:

@@ -61,6 +61,7 @@ __all__ = [
     "to_toml",
     "RESUMABLE_CHANGES",
     "resume_conflicts",
+    "LATER_KEYS",
     "STORED_KEYS",
     "check_stored",
 ]
@@ -109,6 +110,15 @@ class TrainConfig:
             :func:`default_model`'s values.
         batch_size: sequences per optimizer step, over all processes and accumulation steps.
         grad_accum: micro-batches per optimizer step on each process.
+        carry_state: train on consecutive windows of ``batch_size`` contiguous streams of the
+            train split, carrying the model's state (its :class:`~aftlab.models.DecodingCache`)
+            from one step to the next (text tasks; a causal model whose state does not grow;
+            docs/training.md, "Carried state").
+        carry_grad_windows: with ``carry_state``, the windows each step reads and backpropagates
+            through at once (``k``; the state is detached between steps).
+        pack_documents: pack each micro-batch into one row whose documents (the rows and the
+            files of a folder corpus inside them) are separated by ``cu_seqlens``, so that no
+            position sees across a file (docs/training.md, "Packed documents").
         lr: peak learning rate (after warm-up).
         min_lr: learning rate at the end of the cosine decay.
         warmup: linear warm-up steps.
@@ -155,6 +165,9 @@ class TrainConfig:
     model: dict[str, Any] = field(default_factory=default_model)
     batch_size: int = 16
     grad_accum: int = 1
+    carry_state: bool = False
+    carry_grad_windows: int = 1
+    pack_documents: bool = False
     lr: float = 2e-3
     min_lr: float = 2e-4
     warmup: int = 50
@@ -191,6 +204,7 @@ class TrainConfig:
             "seq_len",
             "batch_size",
             "grad_accum",
+            "carry_grad_windows",
             "steps",
             "eval_batches",
             "keep_last",
@@ -232,6 +246,13 @@ class TrainConfig:
             self._fail("device", "'auto', 'cpu', 'cuda' or 'cuda:N'")
         if self.batch_size % self.grad_accum:
             self._fail("batch_size", f"a multiple of grad_accum={self.grad_accum}")
+        if self.carry_grad_windows != 1 and not self.carry_state:
+            self._fail("carry_grad_windows", "1 unless carry_state = true")
+        if self.carry_state and self.pack_documents:
+            raise UsageError(
+                "config: carry_state and pack_documents exclude each other (one carries the "
+                "state across windows, the other restarts it at every file); set one of them"
+            )
         try:  # a valid model once the task adds its own (model_config_for builds the run's)
             TransformerConfig(
                 max_seq_len=self.seq_len,
@@ -386,11 +407,18 @@ RESUMABLE_CHANGES = (
 )
 
 
+#: Keys added after runs were first stored, whose default is what every run before them did
+#: (off): a stored config without them reads as one with the default.
+LATER_KEYS = ("carry_state", "carry_grad_windows", "pack_documents")
+
 #: The keys a run's stored config (its ``config.toml``, a checkpoint's ``config.json``) must
-#: hold: those that change what is learned. aftlab writes every key, so a missing one means a
-#: damaged or edited file, which is refused rather than read with today's default.
+#: hold: those that change what is learned (but :data:`LATER_KEYS`). aftlab writes every key,
+#: so a missing one means a damaged or edited file, which is refused rather than read with
+#: today's default.
 STORED_KEYS = tuple(
-    f.name for f in dataclasses.fields(TrainConfig) if f.name not in RESUMABLE_CHANGES
+    f.name
+    for f in dataclasses.fields(TrainConfig)
+    if f.name not in RESUMABLE_CHANGES and f.name not in LATER_KEYS
 )
 
 

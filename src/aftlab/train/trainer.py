@@ -11,8 +11,15 @@ so each micro-batch backpropagates ``N * nll_sum / n_global`` (DDP and FSDP aver
 over the ``N`` ranks; :mod:`aftlab.train.distributed`). The result does not depend on ``N`` or
 ``grad_accum`` beyond float rounding.
 
-Resuming restores weights, optimizer, step and every RNG; the data position *is* the step, so a
-resumed run reads the batches an uninterrupted run reads and ends with the same weights.
+With ``carry_state`` a step reads ``k = carry_grad_windows`` consecutive windows of every stream
+(:meth:`~aftlab.data.ByteLMTask.consecutive_windows`) and each micro-batch carries its rows'
+:class:`~aftlab.models.DecodingCache` from step to step (:mod:`aftlab.train.streams`); with
+``pack_documents`` each micro-batch is packed into one row of documents
+(:func:`~aftlab.data.base.pack_rows`).
+
+Resuming restores weights, optimizer, step and every RNG (and the carried state); the data
+position *is* the step, so a resumed run reads the batches an uninterrupted run reads and ends
+with the same weights.
 """
 
 from __future__ import annotations
@@ -39,15 +46,17 @@ from torch import nn
 from .. import kernels
 from .._json import dumps
 from .._system import memory_baseline, peak_memory_since
-from ..data.base import IGNORE_INDEX, count_correct
+from ..data.base import IGNORE_INDEX, DataError, count_correct, pack_rows
 from ..errors import UsageError
 from .build import build_model, build_task, check_training_memory, model_config_for
 from .checkpoint import (
+    CARRIED_FILE,
     LOCK_FILE,
     RunLock,
     _write_error,
     atomic_write_text,
     latest_checkpoint,
+    load_carried_state,
     load_checkpoint,
     open_run_file,
     rng_state,
@@ -67,6 +76,14 @@ from .distributed import (
 from .optim import build_optimizer, lr_at
 from .progress import Progress, format_duration
 from .run import read_run_config
+from .streams import (
+    CarriedWindows,
+    cache_rows,
+    cat_caches,
+    flatten_state,
+    restore_state,
+    stream_refusal,
+)
 from .tensorboard import TB_DIR, TensorBoardLog, check_tensorboard
 
 __all__ = [
@@ -322,6 +339,8 @@ class Trainer:
         self.task_info = _jsonable(self.task.info())
         self.model_config = model_config_for(cfg, self.task)
         micro = None if self.dist.active and cfg.parallel == "fsdp" else self.micro  # sharded
+        if micro is not None and cfg.carry_state:
+            micro *= cfg.carry_grad_windows  # the k windows of a step backpropagate together
         check_training_memory(cfg, self.model_config, self.task_info, micro, device=self.device)
         torch.manual_seed(cfg.seed)
         np.random.seed(cfg.seed)
@@ -332,6 +351,7 @@ class Trainer:
         state = load_checkpoint(ckpt, self.model, map_location=self.device) if ckpt else None
         # FSDP shards self.model in place (full weights first, so a resume may change N)
         self._sharded = self.dist.active and cfg.parallel == "fsdp"
+        self._check_stream_options()
         if self._sharded:
             wrap_model(self.model, parallel="fsdp", device=self.device)
         self.optimizer = build_optimizer(
@@ -353,7 +373,9 @@ class Trainer:
                     f"checkpoint {str(ckpt)!r} has an unreadable training state "
                     f"({type(e).__name__}: {e}); delete it to fall back to the previous one"
                 ) from None
-        train_model: nn.Module = self.model
+        self._caches = self._initial_caches(ckpt) if cfg.carry_state else None
+        self._reset: tuple[bool, ...] = ()
+        train_model: nn.Module = CarriedWindows(self.model) if cfg.carry_state else self.model
         if cfg.compile:
             train_model = torch.compile(train_model)
         if self.dist.active and not self._sharded:
@@ -364,6 +386,72 @@ class Trainer:
             atomic_write_text(self.run_dir / "config.toml", to_toml(cfg))
             atomic_write_text(self.run_dir / "task.json", dumps(self.task_info, indent=2))
             self._trim_metrics()
+
+    def _check_stream_options(self) -> None:
+        """Refuse ``carry_state`` and ``pack_documents`` where the task or model cannot do them."""
+        cfg, d = self.config, self.dist
+        where = {"batch_size": self.per_rank, "rank": d.rank, "world_size": d.world_size}
+        try:  # the task's own refusal: not a stream, no documents, streams too short
+            if cfg.carry_state:
+                self.task.consecutive_windows(0, windows=cfg.carry_grad_windows, **where)
+            if cfg.pack_documents:
+                self.task.document_batch(0, **where)
+        except DataError as e:
+            raise UsageError(str(e)) from None
+        if not cfg.carry_state:
+            return
+        why = stream_refusal(self.model)
+        if why is not None:
+            raise UsageError(
+                f"carry_state: this {cfg.mixer} model cannot carry its state along a stream: "
+                f"{why}; carry_state needs a causal model whose state has a fixed size "
+                "(aft-simple, aft-decay, aft-conv, with model.positional = 'none' or 'sinusoidal')"
+            )
+        if self._sharded:
+            raise UsageError(
+                "carry_state: parallel = 'fsdp' is not supported (model.prefill is not an FSDP "
+                "forward); use parallel = 'ddp'"
+            )
+
+    def _initial_caches(self, ckpt: Path | None) -> list[Any]:
+        """``carry_state``: one cache per micro-batch, this rank's rows of the checkpoint's carried
+        state (empty caches for a new run)."""
+        cfg, micro = self.config, self.micro
+        if ckpt is None:
+            return [self.model.init_cache(micro) for _ in range(cfg.grad_accum)]
+        carried = load_carried_state(ckpt)
+        if carried is None:
+            raise UsageError(
+                f"checkpoint {str(ckpt)!r} of a carry_state run has no {CARRIED_FILE}; delete "
+                "it to fall back to the previous one"
+            )
+        try:
+            whole = restore_state(
+                self.model.init_cache(cfg.batch_size),
+                *carried,
+                where=f"checkpoint {str(ckpt)!r}: {CARRIED_FILE}",
+            )
+        except ValueError as e:
+            raise UsageError(f"{e} (use the config the run was trained with)") from None
+        first = self.dist.rank * self.per_rank
+        return [
+            cache_rows(whole, first + i * micro, first + (i + 1) * micro)
+            for i in range(cfg.grad_accum)
+        ]
+
+    def _carried(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The carried state of every rank as one cache of ``batch_size`` rows, flattened
+        (:func:`~aftlab.train.streams.flatten_state`); collective."""
+        mine = self._caches[0] if len(self._caches) == 1 else cat_caches(self._caches)
+        tensors, values = flatten_state(mine)
+        if self.dist.active:
+            for name, t in tensors.items():
+                local = t.contiguous().to(torch.uint8 if t.dtype == torch.bool else t.dtype)
+                parts = [torch.empty_like(local) for _ in range(self.dist.world_size)]
+                dist.all_gather(parts, local)
+                tensors[name] = torch.cat(parts).to(t.dtype)
+            values["batch_size"] = self.config.batch_size
+        return tensors, values
 
     def _trim_metrics(self) -> None:
         """On resume, drop metric lines written after the checkpoint (they will be recomputed)."""
@@ -418,6 +506,7 @@ class Trainer:
         if self._last_saved == self.step:
             self._barrier()
             return path
+        carried = self._carried() if self._caches is not None else None  # collective
         if self._sharded:  # every rank gathers; rank 0 receives the full state
             weights = full_model_state(self.model)
             optim = full_optimizer_state(self.model, self.optimizer)
@@ -442,6 +531,7 @@ class Trainer:
                     "world_size": self.dist.world_size,
                 },
                 keep_last=self.config.keep_last,
+                carried=carried,
             )
         self._last_saved = self.step
         self._barrier()
@@ -479,21 +569,18 @@ class Trainer:
         lr = lr_at(self.step, lr=cfg.lr, min_lr=cfg.min_lr, warmup=cfg.warmup, steps=cfg.steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        batch = self.task.train_batch(
-            self.step, batch_size=self.per_rank, rank=d.rank, world_size=d.world_size
-        )
+        batch = self._step_batch()
         batch = {k: v.to(self.device) for k, v in batch.items()}
         n_global = self._all_reduce(
             (batch["target"] != IGNORE_INDEX).sum().to(torch.float64)
         ).clamp_min(1)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for i in range(cfg.grad_accum):
-            mb = {k: v[i * self.micro : (i + 1) * self.micro] for k, v in batch.items()}
             sync = d.active and i < cfg.grad_accum - 1
             with no_grad_sync(self.train_model) if sync else nullcontext():
                 with _autocast(self.device, cfg.precision):
-                    logits = forward_batch(self.model, mb, wrapper=self.train_model)
-                s, _ = nll_sum(logits, mb["target"])
+                    logits, target = self._micro_forward(batch, i)
+                s, _ = nll_sum(logits, target)
                 (s * (d.world_size / n_global.float())).backward()
             total += s.detach().double()
         if cfg.grad_clip > 0:
@@ -504,6 +591,40 @@ class Trainer:
         self.tokens_seen += int(batch["input"].numel()) * d.world_size
         self._lr = lr
         return float(self._all_reduce(total) / n_global)
+
+    def _step_batch(self) -> dict[str, torch.Tensor]:
+        """This rank's batch of the step: ``(B, T)`` rows (with ``doc_start`` when packing
+        documents), or ``carry_state``'s ``(k, B, T)`` windows (their ``reset`` flags kept)."""
+        cfg, d = self.config, self.dist
+        where = {"batch_size": self.per_rank, "rank": d.rank, "world_size": d.world_size}
+        if cfg.carry_state:
+            batch = self.task.consecutive_windows(
+                self.step, windows=cfg.carry_grad_windows, **where
+            )
+            self._reset = tuple(bool(r) for r in batch.pop("reset"))
+            return batch
+        if cfg.pack_documents:
+            return self.task.document_batch(self.step, **where)
+        return self.task.train_batch(self.step, **where)
+
+    def _micro_forward(
+        self, batch: dict[str, torch.Tensor], i: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits and targets of micro-batch ``i`` (rows ``[i micro, (i + 1) micro)``).
+
+        ``carry_state``: its windows from its carried cache, which then holds the state after
+        them, detached (the gradient stops at the step's first window). ``pack_documents``: its
+        rows packed into one (:func:`~aftlab.data.base.pack_rows`).
+        """
+        rows = slice(i * self.micro, (i + 1) * self.micro)
+        if self._caches is not None:
+            logits, cache = self.train_model(batch["input"][:, rows], self._caches[i], self._reset)
+            self._caches[i] = cache.detach()
+            return logits, batch["target"][:, rows]
+        mb = {k: v[rows] for k, v in batch.items()}
+        if self.config.pack_documents:
+            mb = pack_rows(mb)
+        return forward_batch(self.model, mb, wrapper=self.train_model), mb["target"]
 
     # ----------------------------------------------------------------- the loop
     def fit(self) -> dict[str, Any]:
