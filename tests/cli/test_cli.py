@@ -195,6 +195,8 @@ def test_eval_stream_slides_a_window_for_attention_and_carries_the_state_for_aft
     assert main(["eval", str(run), "--stream", "--split", "val"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("val bpb: ") and "streamed: state carried in chunks of 16)" in out
+    assert main(["eval", str(run), "--stream", "--stride", "4"]) == 2  # no windows to slide
+    assert "--stride applies to the sliding windows" in _error_line(capsys)
 
 
 @pytest.mark.parametrize(

@@ -333,7 +333,7 @@ def add_eval(sub) -> None:
 def cmd_eval(args: argparse.Namespace) -> int:
     from ..data import DataError
     from ..train.run import load_run
-    from ..train.streams import evaluate_stream
+    from ..train.streams import evaluate_stream, stream_refusal
     from ..train.trainer import evaluate
 
     for name in ("batches", "batch_size", "stride"):
@@ -350,6 +350,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--stride must be at most max_seq_len = {run.model_config.max_seq_len} (a window "
             f"scores at most its own tokens), got {args.stride}"
+        )
+    if args.stride is not None and stream_refusal(run.model) is None:
+        raise UsageError(
+            "--stride applies to the sliding windows of a model that cannot carry its state; "
+            "this one streams its state through chunks of seq_len"
         )
     common = {"batch_size": args.batch_size, "device": device, "precision": run.config.precision}
     if args.stream:

@@ -239,7 +239,9 @@ class ByteLMTask(Task):
         )
         starts = self.document_starts("train")
         if starts is None:
-            super().document_batch(step, batch_size=batch_size, rank=rank, world_size=world_size)
+            return super().document_batch(
+                step, batch_size=batch_size, rank=rank, world_size=world_size
+            )  # raises: no documents
         offsets = self._train_offsets(step, batch_size=batch_size, rank=rank, world_size=world_size)
         batch = self._rows("train", offsets)
         begins = np.isin(offsets[:, None] + np.arange(self.seq_len + 1), starts)

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .._state import map_state
 from ..mixers.base import GROWS
 
 __all__ = [
@@ -109,26 +110,10 @@ class CarriedWindows(nn.Module):
         return torch.stack(out), cache
 
 
-def _map_state(state: Any, fn) -> Any:
-    """``state`` with ``fn`` applied to every tensor (dataclasses rebuilt, lists kept)."""
-    if isinstance(state, torch.Tensor):
-        return fn(state)
-    if dataclasses.is_dataclass(state) and not isinstance(state, type):
-        changes = {
-            f.name: _map_state(getattr(state, f.name), fn)
-            for f in dataclasses.fields(state)
-            if f.init
-        }
-        return dataclasses.replace(state, **changes)
-    if isinstance(state, (list, tuple)):
-        return type(state)(_map_state(s, fn) for s in state)
-    return state
-
-
 def cache_rows(cache: Any, start: int, stop: int) -> Any:
     """Rows ``[start, stop)`` of a :class:`~aftlab.models.DecodingCache` (every state tensor is
     batch-first), its ``batch_size`` set to ``stop - start``."""
-    out = _map_state(cache, lambda t: t[start:stop])
+    out = map_state(lambda t: t[start:stop], cache)
     return dataclasses.replace(out, batch_size=stop - start)
 
 
@@ -140,8 +125,12 @@ def cat_caches(caches: list[Any]) -> Any:
     """
     flats = [flatten_state(c) for c in caches]
     positions = [{k: v for k, v in values.items() if k != "batch_size"} for _, values in flats]
-    if any(p != positions[0] for p in positions):
-        raise ValueError("cat_caches: the caches are at different positions")
+    for i, p in enumerate(positions):
+        if p != positions[0]:
+            raise ValueError(
+                f"cat_caches: cache {i} is at {p} but cache 0 at {positions[0]} (every block of "
+                "rows must be at the same positions)"
+            )
     tensors = {name: torch.cat([t[name] for t, _ in flats]) for name in flats[0][0]}
     batch = sum(c.batch_size for c in caches)
     values = {**flats[0][1], "batch_size": batch}

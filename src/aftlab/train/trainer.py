@@ -405,7 +405,8 @@ class Trainer:
             raise UsageError(
                 f"carry_state: this {cfg.mixer} model cannot carry its state along a stream: "
                 f"{why}; carry_state needs a causal model whose state has a fixed size "
-                "(aft-simple, aft-decay, aft-conv, with model.positional = 'none' or 'sinusoidal')"
+                "(aft-simple, aft-decay, aft-conv, aft-local with relative_bias, with "
+                "model.positional = 'none' or 'sinusoidal')"
             )
         if self._sharded:
             raise UsageError(
