@@ -98,9 +98,7 @@ def _gone_token(gone: RunningSums) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     channels or none). ``L = 0`` where invalid; no ``log 0`` in the graph (its gradient is NaN)."""
     present = gone.b > 0
     valid = present.flatten(1).all(1)
-    ok = valid.view(-1, *(1,) * (present.dim() - 1))
-    L = torch.where(present, gone.p, 0.0) + torch.log(torch.where(present, gone.b, 1.0))
-    L = torch.where(ok, L, 0.0)
+    L = torch.where(present, gone.log_sum(), 0.0)  # log_sum: finite gradients where b = 0
     return L[:, None], gone.average()[:, None], valid[:, None]
 
 
