@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
-__all__ = ["TransformerConfig"]
+__all__ = ["TransformerConfig", "RWKV4Config", "ARCHITECTURES", "model_config_from_dict"]
 
 _NORMS = ("pre", "post", "none")
 _ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
@@ -23,8 +23,8 @@ def _is_size(v: Any) -> bool:
     return not isinstance(v, bool) and isinstance(v, int) and 0 < v <= _MAX_SIZE
 
 
-def _fail(name: str, expected: str, got: Any) -> None:
-    raise ValueError(f"TransformerConfig: '{name}' must be {expected}, got {got!r}")
+def _fail(name: str, expected: str, got: Any, where: str = "TransformerConfig") -> None:
+    raise ValueError(f"{where}: '{name}' must be {expected}, got {got!r}")
 
 
 @dataclass
@@ -162,3 +162,100 @@ class TransformerConfig:
     @classmethod
     def from_json(cls, text: str) -> TransformerConfig:
         return cls.from_dict(json.loads(text))
+
+
+@dataclass
+class RWKV4Config:
+    """Configuration of :class:`~aftlab.models.rwkv4.RWKV4LM` (Hugging Face's ``RwkvConfig``).
+
+    Attributes:
+        vocab_size: number of token ids (50277 for the released Pile models).
+        d_model: width ``d`` (``hidden_size``).
+        n_layers: number of blocks (``num_hidden_layers``).
+        d_ff: the channel mix's hidden width (``intermediate_size``); defaults to ``4 * d_model``.
+        max_seq_len: the context trained on (``context_length``): the window length of
+            training and the chunk of a long prompt's prefill; not a limit, RWKV-4 runs any
+            length.
+        layer_norm_eps: LayerNorm epsilon (``layer_norm_epsilon``).
+        rescale_every: in eval mode, halve the hidden state after every ``rescale_every``
+            blocks (0: never), as Hugging Face does (:class:`~aftlab.models.rwkv4.RWKV4LM`).
+        tie_embeddings: share the token embedding with the head (False for RWKV-4).
+    """
+
+    #: the ``architecture`` key of :meth:`to_dict`, which tells this config from a
+    #: :class:`TransformerConfig` in a saved dict (:func:`model_config_from_dict`)
+    architecture: ClassVar[str] = "rwkv4"
+
+    vocab_size: int = 256
+    d_model: int = 256
+    n_layers: int = 4
+    d_ff: int | None = None
+    max_seq_len: int = 1024
+    layer_norm_eps: float = 1e-5
+    rescale_every: int = 6
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        where = "RWKV4Config"
+        for name in ("vocab_size", "d_model", "n_layers", "max_seq_len"):
+            if not _is_size(getattr(self, name)):
+                _fail(name, "a positive int below 2**63", getattr(self, name), where)
+        if self.d_ff is not None and not _is_size(self.d_ff):
+            _fail("d_ff", "a positive int below 2**63, or None", self.d_ff, where)
+        r = self.rescale_every
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            _fail("rescale_every", "an int >= 0 (0: never)", r, where)
+        v = self.layer_norm_eps
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            _fail("layer_norm_eps", "a number > 0", v, where)
+        if not isinstance(self.tie_embeddings, bool):
+            _fail("tie_embeddings", "a bool", self.tie_embeddings, where)
+
+    @property
+    def resolved_d_ff(self) -> int:
+        """``d_ff``, or ``4 * d_model`` when unset."""
+        return self.d_ff if self.d_ff is not None else 4 * self.d_model
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict of every field, and ``"architecture": "rwkv4"``."""
+        return {"architecture": self.architecture, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RWKV4Config:
+        """Build from :meth:`to_dict` output; unknown keys raise ``ValueError`` naming them."""
+        if not isinstance(data, dict):
+            raise TypeError(f"RWKV4Config.from_dict: expected a dict, got {type(data).__name__}")
+        data = dict(data)
+        arch = data.pop("architecture", cls.architecture)
+        if arch != cls.architecture:
+            raise ValueError(f"RWKV4Config: 'architecture' must be 'rwkv4', got {arch!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(
+                f"RWKV4Config: unknown field(s) {unknown}; known fields: {sorted(known)}"
+            )
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> RWKV4Config:
+        return cls.from_dict(json.loads(text))
+
+
+#: the model configs by their ``architecture`` key
+ARCHITECTURES: dict[str, type] = {"transformer": TransformerConfig, "rwkv4": RWKV4Config}
+
+
+def model_config_from_dict(data: dict[str, Any]) -> TransformerConfig | RWKV4Config:
+    """The config a saved dict describes: its ``"architecture"`` (default ``"transformer"``)."""
+    arch = data.get("architecture", "transformer") if isinstance(data, dict) else "transformer"
+    if arch not in ARCHITECTURES:
+        raise ValueError(
+            f"model config: 'architecture' must be one of {sorted(ARCHITECTURES)}, got {arch!r}"
+        )
+    if arch == "transformer" and isinstance(data, dict):
+        data = {k: v for k, v in data.items() if k != "architecture"}
+    return ARCHITECTURES[arch].from_dict(data)

@@ -91,6 +91,7 @@ class AFTConvMixer(AFTMixer):
     def reset_parameters(self) -> None:
         """The kernel's init hook: raw ``w ~ N(0, 1)``, ``gamma = beta = 0`` (kernel 0: the mixer
         starts as AFT-simple)."""
+        super().reset_parameters()
         nn.init.normal_(self.weight)
         nn.init.zeros_(self.gamma)
         nn.init.zeros_(self.beta)
@@ -152,7 +153,7 @@ class AFTConvMixer(AFTMixer):
         return y.reshape(B, T, d).to(dtype)
 
     # ----------------------------------------------------------------- decoding
-    def _init_state(
+    def _init_op_state(
         self, batch_size: int, device: torch.device | str, dtype: torch.dtype
     ) -> BandState:
         """The empty :class:`BandState` of window ``s``: nothing gone (``p = -inf``), ``s - 1``
@@ -163,19 +164,19 @@ class AFTConvMixer(AFTMixer):
             device=device, dtype=dtype,
         )
 
-    def _step(self, x: torch.Tensor, state: BandState) -> tuple[torch.Tensor, BandState]:
+    def _op_step(self, q, k, v, state: BandState) -> tuple[torch.Tensor, BandState]:
         r"""One token at position ``t = state.position``; equals row ``t`` of the causal
         :meth:`forward`: :func:`~aftlab.mixers.aft.common.band_step` with the kernel as the band
         biases (ring slot ``i``, key ``t - s + 1 + i``, gets ``w_i``; token ``t`` gets
         ``w_{s-1}``), the scores in float64 (the op's log domain); ``O(s d)`` work.
         """
-        B = x.shape[0]
-        q, k, v, w = self._heads(*self.project(x))  # (B, h, c), (B, h, 1), (B, h, c), (h, s)
+        B = q.shape[0]
+        q, k, v, w = self._heads(q, k, v)  # (B, h, c), (B, h, 1), (B, h, c), (h, s)
         cd = state.v.dtype
         bias = w.to(torch.float64).T[..., None]  # (s, h, 1)
         avg, state = band_step(state, k.to(cd), v.to(cd), bias)
         y = torch.sigmoid(q.to(cd)) * avg
-        return self.output(y.reshape(B, self.d_model).to(x.dtype)), state
+        return y.reshape(B, self.d_model), state
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, kernel_size={self.kernel_size}, grid={self.grid}"

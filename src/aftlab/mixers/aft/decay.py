@@ -88,6 +88,7 @@ class AFTDecay(ScanMixer):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """The init hook: RWKV-4's decays and bonus (module docstring) for this layer."""
+        super().reset_parameters()
         self.time_decay.copy_(rwkv_decay_init(self.d_model, self.layer_idx, self.n_layers))
         self.time_bonus.copy_(rwkv_bonus_init(self.d_model))
 
@@ -110,8 +111,8 @@ class AFTDecay(ScanMixer):
         return _aft_decay(q, k, v, self.decay(), self.time_bonus, padding_mask=padding_mask,
                           initial_state=state, return_state=return_state, check_state=False)
 
-    def _step(self, x: torch.Tensor, state: AFTDecayState) -> tuple[torch.Tensor, AFTDecayState]:
-        """One token ``x: (B, d)`` in ``O(d)`` (RWKV's WKV recurrence with its stability trick).
+    def _op_step(self, q, k, v, state: RunningSums) -> tuple[torch.Tensor, RunningSums]:
+        """One token's projections ``(B, d)`` each in ``O(d)`` (RWKV's WKV recurrence with its stability trick).
 
         Output: ``o = max(p, u + K_t)``,
         ``wkv = (e^{p-o} a + e^{u+K_t-o} V_t) / (e^{p-o} b + e^{u+K_t-o})``,
@@ -119,7 +120,6 @@ class AFTDecay(ScanMixer):
         Update: ``p' = max(p - lambda, K_t)``, ``a' = e^{p-lambda-p'} a + e^{K_t-p'} V_t``,
         ``b' = e^{p-lambda-p'} b + e^{K_t-p'}``.
         """
-        q, k, v = self.project(x)
         sdt = state.a.dtype
         q, k, v = q.to(sdt), k.to(sdt), v.to(sdt)
         lam, u = self.decay().to(sdt), self.time_bonus.to(sdt)
@@ -128,4 +128,4 @@ class AFTDecay(ScanMixer):
         e1, e2 = torch.exp(state.p - o), torch.exp(uk - o)
         wkv = (e1 * state.a + e2 * v) / (e1 * state.b + e2)
         state.fold(k, v, lam)
-        return self.output((torch.sigmoid(q) * wkv).to(x.dtype)), state
+        return torch.sigmoid(q) * wkv, state

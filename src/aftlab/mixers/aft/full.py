@@ -106,6 +106,7 @@ class AFTFull(AFTMixer):
 
     def reset_parameters(self) -> None:
         """The init hook: the position bias starts at 0 (:class:`PositionBias`)."""
+        super().reset_parameters()
         self.pos_bias.reset_parameters()
 
     def _op(self, q, k, v, padding_mask, state, return_state: bool):
@@ -123,7 +124,7 @@ class AFTFull(AFTMixer):
             q, k, v, w = self.match_dtypes(q, k, v, self.pos_bias.matrix(q.shape[1]))
             return _aft_full(q, k, v, w, causal=self.causal, padding_mask=padding_mask)
         if state is None:  # compute_dtype(q.dtype) is x's, autocast or not
-            state = self._init_state(q.shape[0], q.device, q.dtype)
+            state = self._init_op_state(q.shape[0], q.device, q.dtype)
         t0 = state.t
         S = t0 + q.shape[1]
         self._check_position(S - 1)
@@ -138,17 +139,17 @@ class AFTFull(AFTMixer):
     def _state_of(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> AFTFullState:
         """The state after the tokens of ``k, v: (B, S, d)``: slots ``[0, S)``, position ``S``
         (for inputs of ``dtype``; a fresh buffer, differentiable in ``k`` and ``v``)."""
-        state = self._init_state(k.shape[0], k.device, dtype)
+        state = self._init_op_state(k.shape[0], k.device, dtype)
         S = k.shape[1]
         state.k[:, :S], state.v[:, :S] = k, v  # cast to the state's dtype, as step() does
         state.t = S
         return state
 
-    def _state_position(self, state: AFTFullState) -> int:
+    def _op_state_position(self, state: AFTFullState) -> int:
         """``state.t``: the tokens seen."""
         return state.t
 
-    def _init_state(
+    def _init_op_state(
         self, batch_size: int, device: torch.device | str, dtype: torch.dtype
     ) -> AFTFullState:
         """No keys or values yet: ``(B, T_max, d)`` zeros, float16/bfloat16 kept in float32."""
@@ -156,14 +157,13 @@ class AFTFull(AFTMixer):
         k = torch.zeros(shape, device=device, dtype=compute_dtype(dtype))
         return AFTFullState(k, torch.zeros_like(k))
 
-    def _step(self, x: torch.Tensor, state: AFTFullState) -> tuple[torch.Tensor, AFTFullState]:
-        """One token ``x: (B, d_model)`` at position ``t``; ``O(t d)``::
+    def _op_step(self, q, k, v, state: AFTFullState) -> tuple[torch.Tensor, AFTFullState]:
+        """One token's projections ``(B, d_model)`` each at position ``t``; ``O(t d)``::
 
             y_t = sigma(q_t) * sum_{t'<=t} softmax_t'(K_t' + w_{t,t'}) V_t'
         """
         t = state.t
         self._check_position(t)
-        q, k, v = self.project(x)
         cd = state.k.dtype
         state.k[:, t], state.v[:, t] = k.to(cd), v.to(cd)
         s = state.k[:, : t + 1] + self.pos_bias.row(t, t + 1).to(cd)[None, :, None]
@@ -171,4 +171,4 @@ class AFTFull(AFTMixer):
         e = torch.exp(s - (s.amax(1, keepdim=True) + headroom(t + 1)))
         avg = (e * state.v[:, : t + 1]).sum(1) / e.sum(1)
         state.t = t + 1
-        return self.output((torch.sigmoid(q.to(cd)) * avg).to(q.dtype)), state
+        return torch.sigmoid(q.to(cd)) * avg, state

@@ -91,6 +91,7 @@ class AFTLocal(AFTMixer):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """The init hook: the position bias starts at 0 (:class:`PositionBias`, or ``rel_bias``)."""
+        super().reset_parameters()
         if self.relative_bias:
             self.rel_bias.zero_()
         else:
@@ -178,7 +179,7 @@ class AFTLocal(AFTMixer):
             rel = f", relative_bias=True, relative_gain={self.relative_gain:g}"
         return super().extra_repr() + f", window={self.window}{rel}"
 
-    def _init_state(
+    def _init_op_state(
         self, batch_size: int, device: torch.device | str, dtype: torch.dtype
     ) -> BandState:
         """The empty :class:`BandState` of window ``min(s, T_max)``: nothing gone
@@ -187,19 +188,18 @@ class AFTLocal(AFTMixer):
             batch_size, self.state_window, self.d_model, device=device, dtype=dtype
         )
 
-    def _step(self, x: torch.Tensor, state: BandState) -> tuple[torch.Tensor, BandState]:
-        """One token ``x: (B, d_model)`` at position ``t = state.position``; ``O(s d)``:
+    def _op_step(self, q, k, v, state: BandState) -> tuple[torch.Tensor, BandState]:
+        """One token's projections ``(B, d)`` each at position ``t = state.position``; ``O(s d)``:
         :func:`~aftlab.mixers.aft.common.band_step` with the biases ``w_{t, t-r..t}`` of the
         ring's keys and ``t`` (``r`` ring slots; an empty slot's bias is never read)."""
         t = state.position
         self._check_position(t)
-        q, k, v = self.project(x)
         cd = state.k.dtype
         r = state.k.shape[1]
         if self.state_window:
-            cols = torch.arange(t - r, t + 1, device=x.device)
+            cols = torch.arange(t - r, t + 1, device=k.device)
             bias = self.bias_entries(t, cols).to(cd)[:, None]  # (r + 1, 1)
         else:  # window 0: the current key too has bias 0
             bias = k.new_zeros(1, 1, dtype=cd)
         avg, state = band_step(state, k.to(cd), v.to(cd), bias)
-        return self.output((torch.sigmoid(q.to(cd)) * avg).to(q.dtype)), state
+        return torch.sigmoid(q.to(cd)) * avg, state

@@ -44,15 +44,14 @@ class AFTSimple(ScanMixer):
         return _aft_simple(q, k, v, causal=self.causal, padding_mask=padding_mask,
                            initial_state=state, return_state=return_state, check_state=False)
 
-    def _step(self, x: torch.Tensor, state: AFTSimpleState) -> tuple[torch.Tensor, AFTSimpleState]:
-        """One token ``x: (B, d)``; ``O(d)`` work (RWKV's stability trick, no decay).
+    def _op_step(self, q, k, v, state: RunningSums) -> tuple[torch.Tensor, RunningSums]:
+        """One token's projections ``(B, d)`` each; ``O(d)`` work (RWKV's stability trick, no decay).
 
         ``p' = max(p, K_t)``, ``a' = e^{p - p'} a + e^{K_t - p'} V_t``,
         ``b' = e^{p - p'} b + e^{K_t - p'}``, ``Y_t = sigma(Q_t) * a' / b'``.
         """
-        q, k, v = self.project(x)
         sdt = state.a.dtype
         q, k, v = q.to(sdt), k.to(sdt), v.to(sdt)
         state.fold(k, v)
         y = torch.sigmoid(q) * (state.a / state.b)
-        return self.output(y.to(x.dtype)), state
+        return y, state
