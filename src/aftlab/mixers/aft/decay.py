@@ -112,7 +112,8 @@ class AFTDecay(ScanMixer):
                           initial_state=state, return_state=return_state, check_state=False)
 
     def _op_step(self, q, k, v, state: RunningSums) -> tuple[torch.Tensor, RunningSums]:
-        """One token's projections ``(B, d)`` each in ``O(d)`` (RWKV's WKV recurrence with its stability trick).
+        """One token's projections ``(B, d)`` each in ``O(d)`` (RWKV's WKV recurrence with its
+        stability trick).
 
         Output: ``o = max(p, u + K_t)``,
         ``wkv = (e^{p-o} a + e^{u+K_t-o} V_t) / (e^{p-o} b + e^{u+K_t-o})``,

@@ -45,7 +45,8 @@ class AFTSimple(ScanMixer):
                            initial_state=state, return_state=return_state, check_state=False)
 
     def _op_step(self, q, k, v, state: RunningSums) -> tuple[torch.Tensor, RunningSums]:
-        """One token's projections ``(B, d)`` each; ``O(d)`` work (RWKV's stability trick, no decay).
+        """One token's projections ``(B, d)`` each; ``O(d)`` work (RWKV's stability trick, no
+        decay).
 
         ``p' = max(p, K_t)``, ``a' = e^{p - p'} a + e^{K_t - p'} V_t``,
         ``b' = e^{p - p'} b + e^{K_t - p'}``, ``Y_t = sigma(Q_t) * a' / b'``.
