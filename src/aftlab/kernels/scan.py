@@ -12,7 +12,7 @@ import torch
 
 from ._common import LOW, needs_grad, register_autograd
 
-__all__ = ["aft_simple", "aft_decay"]
+__all__ = ["aft_simple", "aft_decay", "aft_decay_state"]
 
 
 def _empty_or_like(x: torch.Tensor, save: bool) -> torch.Tensor:
@@ -44,6 +44,10 @@ def register() -> None:
     @torch.library.register_fake(lib + "decay")
     def _(q, k, v, decay, bonus, mask, save):
         return q.new_empty(q.shape), _empty_or_like(q, save), _empty_or_like(q, save)
+
+    @torch.library.register_fake(lib + "decay_state")
+    def _(q, k, v, decay, bonus, state):
+        return q.new_empty(q.shape), q.new_empty(3, q.shape[0], q.shape[2])
 
     @torch.library.register_fake(lib + "decay_backward")
     def _(gy, q, v, y, r, w):
@@ -103,3 +107,22 @@ def aft_decay(q, k, v, decay, bonus, *, padding_mask):
     save = needs_grad(q, k, v, decay, bonus)
     y, _, _ = torch.ops.aftlab.decay(q, k, v, decay, bonus, padding_mask, save)
     return y.to(out_dtype)
+
+
+def aft_decay_state(q, k, v, decay, bonus, initial_state):
+    """Kernel of :func:`aftlab.ops.aft_decay` continuing a state and returning the next, for
+    inference (no gradient is taken: the caller checks; no padding): ``aftlab::decay_state``
+    starts its scan from ``initial_state`` (a :class:`~aftlab.ops.state.RunningSums` or None)
+    and returns the one after the last token, from the same pass: ``(y, state)``."""
+    from ..ops.state import RunningSums
+
+    out_dtype = q.dtype
+    cdt = torch.float32 if out_dtype in LOW else out_dtype
+    q, k, v, decay, bonus = (t.to(cdt) for t in (q, k, v, decay, bonus))
+    s0, position = None, 0
+    if initial_state is not None:
+        s0 = torch.stack([initial_state.a, initial_state.b, initial_state.p]).to(cdt)
+        position = initial_state.position
+    y, s1 = torch.ops.aftlab.decay_state(q, k, v, decay, bonus, s0)
+    a, b, p = s1.unbind(0)
+    return y.to(out_dtype), RunningSums(a, b, p, position=position + q.shape[1])

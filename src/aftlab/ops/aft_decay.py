@@ -38,7 +38,7 @@ from .. import kernels
 from .._checks import check_qkv, check_tensor
 from ._numerics import compute_dtype
 from ._scan_state import run_scan
-from ._state_checks import check_state_keywords
+from ._state_checks import check_running_sums, check_state_keywords
 from .reference import biased_average_reference, running_sums_past
 from .scan import _stable_prefix_average, check_decay
 from .state import RunningSums
@@ -110,6 +110,11 @@ def _aft_decay(q, k, v, decay, bonus, *, padding_mask, initial_state=None, retur
     input is validated); the state (unless ``check_state=False``: the mixer's caller checked
     it) and ``cu_seqlens`` are checked."""
     if check_state_keywords("aft_decay", True, initial_state, return_state, cu_seqlens):
+        if _carry_in_kernel(q, k, v, decay, bonus, padding_mask, initial_state, cu_seqlens):
+            if initial_state is not None and check_state:
+                check_running_sums("aft_decay", initial_state, q)
+            y, state = kernels.scan.aft_decay_state(q, k, v, decay, bonus, initial_state)
+            return (y, state) if return_state else y
 
         def core(q, k, v, mask):
             return _aft_decay(q, k, v, decay, bonus, padding_mask=mask)
@@ -122,6 +127,18 @@ def _aft_decay(q, k, v, decay, bonus, *, padding_mask, initial_state=None, retur
     if kernels.enabled(q, decay, bonus):
         return kernels.scan.aft_decay(q, k, v, decay, bonus, padding_mask=padding_mask)
     return _aft_decay_torch(q, k, v, decay, bonus, padding_mask=padding_mask)
+
+
+def _carry_in_kernel(q, k, v, decay, bonus, padding_mask, state, cu_seqlens) -> bool:
+    """Whether a call with a state runs the kernel that carries it (one pass, no virtual token
+    and no second reduction for the state after): CPU kernels, one sequence without padding,
+    and no gradient to take (the kernel has no backward for the state)."""
+    if padding_mask is not None or cu_seqlens is not None or not kernels.enabled(q, decay, bonus):
+        return False
+    tensors = [q, k, v, decay, bonus]
+    if state is not None:
+        tensors += [state.a, state.b, state.p]
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
 def _aft_decay_torch(q, k, v, decay, bonus, *, padding_mask):

@@ -241,11 +241,18 @@ void simple_global_bwd(const T* __restrict__ G, const T* __restrict__ Q, const T
 // + e^{u+k-o}); then the state decays by lambda (age + 1) and folds k_t. Exponent differences
 // in quarters (see the header): with d = k/4 - ka/4,
 //   (u + k - m) / 4 = (d + u/4) + age lambda/4,   (k - m') / 4 = d + (age + 1) lambda/4.
+//
+// With a carry (S0/S1 non-null, decay_state): the scan starts from the state (a, b, p) of
+// S0 (3, B, D) -- anchor p, age 0, n = a 2^-e, s = b, and |a / b| as the largest value seen (the
+// output is a convex combination of a / b and the new values) -- and writes the state after
+// the last token to S1: p = 4 (ka/4 - age lambda/4), a = n 2^e, b = s.
 template <typename T, bool SAVE>
 void decay_fwd(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V, const T* __restrict__ LAM, const T* __restrict__ U, const bool* __restrict__ M,
-               T* __restrict__ Y, T* __restrict__ R, T* __restrict__ W, int64_t B, int64_t Tn, int64_t D) {
+               T* __restrict__ Y, T* __restrict__ R, T* __restrict__ W, int64_t B, int64_t Tn, int64_t D,
+               const T* __restrict__ S0, T* __restrict__ S1) {
   const int64_t cb = block_size(B, D), nb = (D + cb - 1) / cb;
   const T sc = value_scale<T>(Tn), unsc = T(1) / sc;
+  const int64_t BD = B * D;
   at::parallel_for(0, B * nb, 1, [&](int64_t i0, int64_t i1) {
     T ka4[CB], age[CB], n[CB], s[CB], vm[CB], lam4[CB], u4[CB];
     for (int64_t i = i0; i < i1; ++i) {
@@ -255,6 +262,16 @@ void decay_fwd(const T* __restrict__ Q, const T* __restrict__ K, const T* __rest
         age[c] = 0; n[c] = 0; s[c] = 0; vm[c] = 0;
         lam4[c] = T(0.25) * LAM[c0 + c];
         u4[c] = T(0.25) * U[c0 + c];
+        if (S0 != nullptr) {
+          const int64_t j = b * D + c0 + c;
+          const T a0 = S0[j], b0 = S0[BD + j], p0 = S0[2 * BD + j];
+          if (b0 > T(0)) {
+            ka4[c] = T(0.25) * p0;
+            n[c] = a0 * sc;
+            s[c] = b0;
+            vm[c] = std::abs(a0 / b0) * sc;
+          }
+        }
       }
       for (int64_t t = 0; t < Tn; ++t) {
         const int64_t o = (b * Tn + t) * D + c0;
@@ -294,6 +311,16 @@ void decay_fwd(const T* __restrict__ Q, const T* __restrict__ K, const T* __rest
               W[o + c] = T(0);
             }
           }
+        }
+      }
+      if (S1 != nullptr) {
+        for (int64_t c = 0; c < cn; ++c) {
+          const int64_t j = b * D + c0 + c;
+          const bool any = s[c] > T(0);
+          S1[j] = any ? n[c] * unsc : T(0);
+          S1[BD + j] = s[c];
+          S1[2 * BD + j] = any ? T(4) * (ka4[c] - age[c] * lam4[c])
+                               : -std::numeric_limits<T>::infinity();
         }
       }
     }
@@ -453,9 +480,40 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decay(const at::Tensor& q_, const
     f(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
       lam.data_ptr<scalar_t>(), u.data_ptr<scalar_t>(), M, y.data_ptr<scalar_t>(),
       save ? r.data_ptr<scalar_t>() : nullptr, save ? w.data_ptr<scalar_t>() : nullptr,
-      q.size(0), q.size(1), q.size(2));
+      q.size(0), q.size(1), q.size(2), nullptr, nullptr);
   });
   return {y, r, w};
+}
+
+// Inference only (no autograd): y and the state after the last token, (3, B, D) = (a, b, p),
+// continuing the state `state` (3, B, D) or the empty one. No padding.
+std::tuple<at::Tensor, at::Tensor> decay_state(const at::Tensor& q_, const at::Tensor& k_,
+                                               const at::Tensor& v_, const at::Tensor& lam_,
+                                               const at::Tensor& u_,
+                                               const std::optional<at::Tensor>& state_) {
+  check_qkv("aftlab::decay_state", q_, k_, v_);
+  TORCH_CHECK(lam_.numel() == q_.size(2) && u_.numel() == q_.size(2),
+              "aftlab::decay_state: decay and bonus must be (d,)");
+  auto q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
+  auto lam = lam_.to(q.scalar_type()).contiguous(), u = u_.to(q.scalar_type()).contiguous();
+  at::Tensor s0;
+  if (state_.has_value()) {
+    s0 = state_->to(q.scalar_type()).contiguous();
+    TORCH_CHECK(s0.dim() == 3 && s0.size(0) == 3 && s0.size(1) == q.size(0) &&
+                    s0.size(2) == q.size(2),
+                "aftlab::decay_state: state must be (3, B, d)");
+  }
+  auto y = at::empty_like(q);
+  auto s1 = at::empty({3, q.size(0), q.size(2)}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "decay_state", [&] {
+    decay_fwd<scalar_t, false>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
+                               v.data_ptr<scalar_t>(), lam.data_ptr<scalar_t>(),
+                               u.data_ptr<scalar_t>(), nullptr, y.data_ptr<scalar_t>(), nullptr,
+                               nullptr, q.size(0), q.size(1), q.size(2),
+                               s0.defined() ? s0.data_ptr<scalar_t>() : nullptr,
+                               s1.data_ptr<scalar_t>());
+  });
+  return {y, s1};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> decay_backward(
@@ -493,6 +551,8 @@ TORCH_LIBRARY_FRAGMENT(aftlab, m) {
         " bool save) -> (Tensor, Tensor, Tensor)");
   m.def("decay_backward(Tensor gy, Tensor q, Tensor v, Tensor y, Tensor r, Tensor w)"
         " -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("decay_state(Tensor q, Tensor k, Tensor v, Tensor decay, Tensor bonus, Tensor? state)"
+        " -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(aftlab, CPU, m) {
@@ -502,4 +562,5 @@ TORCH_LIBRARY_IMPL(aftlab, CPU, m) {
   m.impl("simple_global_backward", &aftlab::simple_global_backward);
   m.impl("decay", &aftlab::decay);
   m.impl("decay_backward", &aftlab::decay_backward);
+  m.impl("decay_state", &aftlab::decay_state);
 }

@@ -58,8 +58,9 @@ def shift_tokens(
 
 def token_mix(x: torch.Tensor, shifted: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
     """``mu * X + (1 - mu) * X'``: the two-tap causal convolution of RWKV's token shift, any
-    shape broadcasting against ``mu: (d,)`` (written as RWKV writes it, term for term)."""
-    return x * mu + shifted * (1 - mu)
+    shape broadcasting against ``mu: (d,)``; one fused ``lerp`` (``X' + mu (X - X')``), in the
+    inputs' dtype."""
+    return torch.lerp(shifted, x, mu.to(x.dtype))
 
 
 def token_shift_init(
