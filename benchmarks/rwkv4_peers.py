@@ -254,8 +254,6 @@ def _logits(out: Any) -> torch.Tensor:
 class HFPeer:
     """transformers' ``RwkvForCausalLM`` (its CPU path: a Python loop over positions)."""
 
-    name = "transformers"
-
     def __init__(self, model) -> None:
         self.model = model
 
@@ -278,8 +276,6 @@ class ChatRWKVPeer:
     """ChatRWKV (PyPI ``rwkv``): ``RWKV(model=path, strategy=...)``, ``RWKV_JIT_ON=1``,
     ``RWKV_CUDA_ON=0``; its prefill computes the last logits only."""
 
-    name = "ChatRWKV"
-
     def __init__(self, pth: Path, strategy: str = "cpu fp32") -> None:
         self.model = chatrwkv_class()(model=str(pth.with_suffix("")), strategy=strategy,
                                       verbose=False)
@@ -295,8 +291,6 @@ class ChatRWKVPeer:
 
 class AftlabPeer:
     """aftlab's ``RWKV4LM`` (:func:`aftlab_model`)."""
-
-    name = "aftlab"
 
     def __init__(self, model) -> None:
         self.model = model
@@ -319,10 +313,14 @@ def _lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def chatrwkv_class():
-    """ChatRWKV's ``RWKV`` class, imported with its switches set (they are read at import)."""
+    """ChatRWKV's ``RWKV`` class, imported with its switches set (they are read at import);
+    the backend flags its import sets (cuDNN benchmark, TF32) put back."""
     os.environ.update(RWKV_JIT_ON="1", RWKV_CUDA_ON="0", RWKV_V7_ON="0")
+    b = torch.backends
+    flags = b.cudnn.benchmark, b.cudnn.allow_tf32, b.cuda.matmul.allow_tf32
     from rwkv.model import RWKV
 
+    b.cudnn.benchmark, b.cudnn.allow_tf32, b.cuda.matmul.allow_tf32 = flags
     return RWKV
 
 

@@ -3,6 +3,8 @@ counting of the floors and the long prefill's fresh process, at tiny shapes (not
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -79,6 +81,30 @@ def test_chatrwkv_equals_transformers_on_the_same_weights(bench, tiny, tmp_path)
     for t in ids[20:].tolist():
         (got, st), (want, ref_st) = chat.step(t, st), ref.step(t, ref_st)
         assert_close(f"step {t}", got, want)
+
+
+def _flags() -> tuple[bool, bool, bool]:
+    b = torch.backends
+    return b.cudnn.benchmark, b.cudnn.allow_tf32, b.cuda.matmul.allow_tf32
+
+
+def _set_flags(flags: tuple[bool, bool, bool]) -> None:
+    b = torch.backends
+    b.cudnn.benchmark, b.cudnn.allow_tf32, b.cuda.matmul.allow_tf32 = flags
+
+
+def test_importing_chatrwkv_leaves_the_backend_flags(bench, monkeypatch):
+    if not bench.chatrwkv_available():
+        pytest.skip("ChatRWKV (PyPI rwkv) not installed")
+    monkeypatch.delitem(sys.modules, "rwkv.model")  # imported again; restored after the test
+    saved = _flags()
+    try:
+        _set_flags((False, False, False))  # rwkv/model.py sets each to True
+        bench.chatrwkv_class()
+        assert "rwkv.model" in sys.modules  # rwkv/model.py ran, and with it its flag settings
+        assert _flags() == (False, False, False)
+    finally:
+        _set_flags(saved)
 
 
 def test_counting_matches_the_model(bench, tiny):
