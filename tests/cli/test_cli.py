@@ -10,7 +10,9 @@ from aftlab.cli import main
 
 from ..train.helpers import TINY, run_aftlab, train_tiny
 
-SUBCOMMANDS = ["train", "eval", "sample", "compare", "plot", "bench", "kernels", "export"]
+SUBCOMMANDS = [
+    "train", "eval", "sample", "generate", "compare", "plot", "bench", "kernels", "export"
+]  # fmt: skip
 
 
 def _error_line(capsys):

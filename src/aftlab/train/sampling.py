@@ -16,14 +16,22 @@ __all__ = ["sample_text", "default_prompt", "check_sampling_options"]
 
 
 def check_sampling_options(
-    *, temperature: float, top_k: int | None, top_p: float | None, seed: int, vocab_size: int
+    *,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    seed: int,
+    vocab_size: int | None,
 ) -> None:
     """The command line's sampling options (``aftlab sample``, ``aftlab generate``), named as
     typed: a :class:`UsageError` unless ``--temperature`` is finite and ``>= 0``, ``--top-k``
-    in ``[1, vocab_size]``, ``--top-p`` in ``(0, 1]`` and ``--seed`` in ``[0, 2**64)``."""
+    in ``[1, vocab_size]`` (``vocab_size=None``: not yet known, ``>= 1``), ``--top-p`` in
+    ``(0, 1]`` and ``--seed`` in ``[0, 2**64)``."""
     if not (temperature >= 0 and math.isfinite(temperature)):
         raise UsageError(f"--temperature must be >= 0 and finite (0 = greedy), got {temperature}")
-    if top_k is not None and not 1 <= top_k <= vocab_size:
+    if top_k is not None and top_k < 1:
+        raise UsageError(f"--top-k must be >= 1, got {top_k}")
+    if top_k is not None and vocab_size is not None and top_k > vocab_size:
         raise UsageError(f"--top-k must be in [1, {vocab_size}], got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1] (1 keeps every token), got {top_p}")
