@@ -49,7 +49,7 @@ def exported(run, tmp_path_factory):
 
 def _generate(path, capsys, *argv: str) -> tuple[str, str]:
     capsys.readouterr()
-    assert main(["generate", str(path), *argv]) == 0
+    assert main(["generate", str(path), "--device", "cpu", *argv]) == 0  # the fixture's device
     printed = capsys.readouterr()
     return printed.out, printed.err
 

@@ -359,9 +359,10 @@ def stream_text(
     printer = _Printer(tokenizer, out)
     printer.show(ids)
     generator = torch.Generator(device=device).manual_seed(seed)
+    prompt_t = torch.tensor([ids], device=device)
     with torch.no_grad():
         start = clock()
-        logits, cache = prefill_prompt(model, torch.tensor([ids], device=device))
+        logits, cache = prefill_prompt(model, prompt_t)
         prefill_s = clock() - start
         tokens = draw_tokens(
             model, logits[:, -1], cache, max_new_tokens,

@@ -29,10 +29,10 @@ def check_sampling_options(
     ``(0, 1]`` and ``--seed`` in ``[0, 2**64)``."""
     if not (temperature >= 0 and math.isfinite(temperature)):
         raise UsageError(f"--temperature must be >= 0 and finite (0 = greedy), got {temperature}")
+    if top_k is not None and vocab_size is not None and not 1 <= top_k <= vocab_size:
+        raise UsageError(f"--top-k must be in [1, {vocab_size}], got {top_k}")
     if top_k is not None and top_k < 1:
         raise UsageError(f"--top-k must be >= 1, got {top_k}")
-    if top_k is not None and vocab_size is not None and top_k > vocab_size:
-        raise UsageError(f"--top-k must be in [1, {vocab_size}], got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1] (1 keeps every token), got {top_p}")
     if not 0 <= seed < 2**64:
