@@ -212,6 +212,9 @@ def test_argv_bytes_that_are_not_utf8(argv, arg, trained, tmp_path):
         (["--seed", "18446744073709551616"], "--seed", r"\[0, 2\*\*64\)"),
         (["--seed", "-1"], "--seed", r"\[0, 2\*\*64\)"),
         (["--temperature", "inf"], "--temperature", "finite"),
+        (["--top-p", "0"], "--top-p", r"must be in \(0, 1\]"),
+        (["--top-p", "1.5"], "--top-p", r"must be in \(0, 1\]"),
+        (["--top-p", "nan"], "--top-p", r"must be in \(0, 1\]"),
     ],
 )
 def test_sample_arguments_out_of_range(argv, arg, message, trained, capsys):

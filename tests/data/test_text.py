@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from aftlab.data import ByteLMTask, DataError, build_task
+from aftlab.data import BYTE_TASKS, ByteLMTask, DataError, build_task, byte_level
 from aftlab.data.text import assign_files, list_text_files, stdlib_files
 
 from .helpers import check_contract
@@ -138,6 +138,20 @@ def test_encode_decode_round_trip(text_file):
     assert task.decode([104, 0xFF, 105]) == "h\ufffdi"
     with pytest.raises(ValueError, match="0..255"):
         task.decode([300])
+
+
+def test_byte_tasks_are_the_byte_lm_tasks(text_file):
+    """BYTE_TASKS names exactly the tasks built as a ByteLMTask; byte_level reads a task's info."""
+    import typing
+
+    from aftlab.data import _BUILDERS
+
+    returns = {n: typing.get_type_hints(b)["return"] for n, (b, _) in _BUILDERS.items()}
+    assert set(BYTE_TASKS) == {n for n, r in returns.items() if r is ByteLMTask}
+    info = build_task("text", data=text_file[0], seq_len=16).info()
+    assert byte_level(info)
+    assert not byte_level({**info, "task": "recall"})  # 256 ids, but not bytes
+    assert not byte_level({**info, "vocab_size": 64})
 
 
 def test_metric_is_bits(text_file):

@@ -1,4 +1,5 @@
-"""Generation: shapes, determinism, greedy/top-k, streaming, positional limits, pixel sampling."""
+"""Generation: shapes, determinism, greedy/top-k/top-p, streaming, positional limits, pixel
+sampling."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from aftlab.models.generation import (
     LengthLimit,
     generate,
     sample_next_token,
+    sampling_logits,
     stream_generate,
 )
 
@@ -57,10 +59,13 @@ def test_greedy_matches_argmax_of_full_forward():
     assert torch.equal(out, seq)
 
 
-def test_top_k_1_is_greedy():
+def test_top_k_1_and_a_tiny_top_p_are_greedy():
     lm, prompt = _lm(), _prompt()
     greedy = lm.generate(prompt, 8, temperature=0)
     assert torch.equal(lm.generate(prompt, 8, temperature=1.5, top_k=1, generator=_gen(0)), greedy)
+    # a nucleus this small holds the most likely token alone
+    tiny = lm.generate(prompt, 8, temperature=1.5, top_p=1e-4, generator=_gen(0))
+    assert torch.equal(tiny, greedy)
 
 
 def test_stream_generate_yields_the_same_tokens():
@@ -161,6 +166,64 @@ def test_sample_next_token_top_k_support():
     assert torch.equal(sample_next_token(logits, temperature=0), logits.argmax(-1))
 
 
+def test_top_p_1_is_no_top_p():
+    lm, prompt = _lm(), _prompt()
+    kw = dict(temperature=1.3, top_k=9)
+    plain = lm.generate(prompt, 10, **kw, generator=_gen(4))
+    assert torch.equal(lm.generate(prompt, 10, **kw, top_p=1.0, generator=_gen(4)), plain)
+    streamed = lm.stream_generate(prompt, 10, **kw, top_p=1, generator=_gen(4))
+    assert torch.equal(torch.stack(list(streamed), 1), plain[:, 4:])
+    assert not torch.equal(lm.generate(prompt, 10, **kw, top_p=0.5, generator=_gen(4)), plain)
+
+
+@pytest.mark.parametrize(
+    "top_p, nucleus", [(0.3, {0}), (0.7, {0, 1}), (0.9, {0, 1, 2}), (0.99, {0, 1, 2, 3})]
+)
+def test_top_p_draws_only_the_nucleus_in_proportion(top_p, nucleus):
+    """p = (.5, .3, .15, .05) in a shuffled order: the nucleus of top_p is the fewest most likely
+    tokens reaching top_p (.5 < .7 <= .8), drawn in their renormalised proportions."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    order = torch.tensor([2, 0, 3, 1])  # token order[i] has probability probs[i]
+    logits = torch.empty(4).index_put_((order,), probs.log()).expand(4000, 4)
+    drawn = sample_next_token(logits, top_p=top_p, generator=_gen(7))
+    kept = {int(order[i]) for i in nucleus}
+    assert set(drawn.unique().tolist()) == kept
+    mass = probs[sorted(nucleus)].sum()
+    for i in nucleus:  # 4000 draws: a frequency's std is at most 0.008
+        freq = (drawn == order[i]).float().mean()
+        assert abs(freq - probs[i] / mass) < 0.04, (i, freq)
+
+
+def test_sampling_logits_equal_transformers_warpers():
+    """Temperature, then top-k, then top-p: the same kept tokens and logits as transformers'
+    warpers, for every row of random logits (ties included)."""
+    pytest.importorskip("transformers", reason="the hf extra (transformers) is missing")
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    g = _gen(11)
+    logits = torch.randn(64, 50, generator=g) * 3
+    logits[:8, :10] = 1.0  # ties across the boundary
+    cases = [(1.0, None, 0.5), (0.7, 20, 0.9), (1.5, 5, 0.3), (0.5, None, 0.95), (2.0, 40, 0.05)]
+    for temperature, top_k, top_p in cases:
+        ours = sampling_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+        theirs = TemperatureLogitsWarper(temperature)(None, logits)
+        if top_k is not None:
+            theirs = TopKLogitsWarper(top_k)(None, theirs)
+        theirs = TopPLogitsWarper(top_p)(None, theirs)
+        kept = torch.isfinite(ours)
+        assert torch.equal(kept, torch.isfinite(theirs)), (temperature, top_k, top_p)
+        assert torch.equal(ours[kept], theirs[kept])
+        assert kept.any(-1).all() and not kept.all()
+        drawn = sample_next_token(
+            logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=g
+        )
+        assert kept.gather(1, drawn[:, None]).all()
+
+
 def test_sample_next_token_temperature_sharpens():
     logits = torch.tensor([[0.0, 1.0, 2.0]]).expand(4000, 3)
     g = _gen(1)
@@ -180,6 +243,7 @@ def test_pixel_sampling():
     b = model.sample(3, prefix=prefix, generator=_gen(2))
     assert torch.equal(b[:, :5], prefix)
     greedy = model.sample(2, temperature=0)
+    assert torch.equal(model.sample(2, top_p=1e-4, generator=_gen(2)), greedy)
     seq = greedy[:, :0]
     for t in range(16):  # reference: full forward per pixel
         nxt = model(torch.cat([seq, torch.zeros(2, 1, dtype=torch.long)], 1))[:, t].argmax(-1)

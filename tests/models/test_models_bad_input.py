@@ -156,6 +156,13 @@ def test_generate_arguments(lm):
         lm.generate(p, 2, temperature=-0.5)
     with pytest.raises(ValueError, match=r"'top_k' must be in \[1, vocab_size=20\], got 21"):
         lm.generate(p, 2, top_k=21)
+    for bad in (0, 0.0, -0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match=rf"'top_p' must be in \(0, 1\], got {bad}"):
+            lm.generate(p, 2, top_p=bad)
+    with pytest.raises(TypeError, match=r"'top_p' must be a float in \(0, 1\] or None, got str"):
+        lm.stream_generate(p, 2, top_p="0.9")
+    with pytest.raises(TypeError, match="'top_p' must be a float .* got bool"):
+        lm.generate(p, 2, top_p=True)
     with pytest.raises(ValueError, match="'max_new_tokens' must be >= 0, got -1"):
         lm.generate(p, -1)
     with pytest.raises(ValueError, match=r"'prompt' must have shape \(B, T\)"):

@@ -1,4 +1,5 @@
-"""The ``aftlab`` command line: train, eval, sample, compare, plot, bench, kernels, export.
+"""The ``aftlab`` command line: train, eval, sample, generate, compare, plot, bench, kernels,
+export.
 
 Every subcommand has ``--help``. Bad input (a missing data path, an unknown key, a damaged
 checkpoint, ...) prints one line ``aftlab: error: <what is wrong> (<what to do>)`` to stderr and
@@ -25,7 +26,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``aftlab`` and its subcommands."""
-    from . import commands, export, kernels
+    from . import commands, export, generate, kernels
 
     parser = _Parser(
         prog="aftlab",
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_train(sub)
     commands.add_eval(sub)
     commands.add_sample(sub)
+    generate.add_generate(sub)
     commands.add_compare(sub)
     commands.add_plot(sub)
     commands.add_bench(sub)

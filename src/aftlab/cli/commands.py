@@ -401,6 +401,13 @@ def add_sample(sub) -> None:
     p.add_argument(
         "--top-k", type=int, metavar="K", help="sample among the K most likely tokens (default all)"
     )
+    p.add_argument(
+        "--top-p",
+        type=float,
+        metavar="P",
+        help="sample among the most likely tokens whose probabilities sum to at least P, in "
+        "(0, 1] (nucleus sampling, after --top-k; default all)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler (default 0)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
 
@@ -429,6 +436,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
         tokens=args.tokens,
         temperature=args.temperature,
         top_k=args.top_k,
+        top_p=args.top_p,
         seed=args.seed,
         out=sys.stdout,
     )

@@ -18,7 +18,7 @@ See docs/data.md for splits and options. Example::
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .._checks import did_you_mean
@@ -36,6 +36,8 @@ __all__ = [
     "IGNORE_INDEX",
     "available_tasks",
     "build_task",
+    "BYTE_TASKS",
+    "byte_level",
     "count_correct",
     "default_seq_len",
 ]
@@ -50,6 +52,16 @@ _BUILDERS: dict[str, tuple[Callable[..., Task], int]] = {
     "recall": (build_recall, 64),
     "copy": (build_copy, 64),
 }
+
+#: the tasks whose tokens are the UTF-8 bytes of text, id = byte value (a :class:`ByteLMTask`)
+BYTE_TASKS = ("text", "enwik8", "text8")
+
+
+def byte_level(info: Mapping[str, Any]) -> bool:
+    """Whether the task of ``info`` (:meth:`Task.info`, or a checkpoint's ``task``) is a
+    byte-level text task: one of :data:`BYTE_TASKS`, a language model of 256 ids."""
+    kind, vocab = info.get("kind"), info.get("vocab_size")
+    return info.get("task") in BYTE_TASKS and kind == "lm" and vocab == 256
 
 
 def available_tasks() -> list[str]:

@@ -2,8 +2,10 @@
 
 Importing this package registers ``model_type = "aftlab"`` with ``AutoConfig`` and
 ``AutoModelForCausalLM``, so ``AutoModelForCausalLM.from_pretrained(folder)`` loads a folder
-written by ``save_pretrained`` or ``aftlab export`` (safetensors weights, JSON config).
-Needs the ``hf`` extra: ``pip install 'aftlab[hf]'`` (docs/huggingface.md).
+written by ``save_pretrained`` or ``aftlab export`` (safetensors weights, JSON config; for a
+byte-level text run also the byte tokenizer of :mod:`aftlab.hf.tokenizer`, which
+``AutoTokenizer`` loads). Needs the ``hf`` extra: ``pip install 'aftlab[hf]'``
+(docs/huggingface.md).
 
 Example:
     >>> import torch
@@ -24,8 +26,16 @@ except ImportError as e:  # pragma: no cover - the hf extra is missing
 from .configuration import AftlabConfig
 from .export import export_run
 from .modeling import AftlabCausalLMOutput, AftlabForCausalLM
+from .tokenizer import byte_tokenizer, write_byte_tokenizer
 
-__all__ = ["AftlabConfig", "AftlabForCausalLM", "AftlabCausalLMOutput", "export_run"]
+__all__ = [
+    "AftlabConfig",
+    "AftlabForCausalLM",
+    "AftlabCausalLMOutput",
+    "export_run",
+    "byte_tokenizer",
+    "write_byte_tokenizer",
+]
 
 transformers.AutoConfig.register(AftlabConfig.model_type, AftlabConfig, exist_ok=True)
 transformers.AutoModelForCausalLM.register(AftlabConfig, AftlabForCausalLM, exist_ok=True)

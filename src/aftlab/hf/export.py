@@ -10,11 +10,13 @@ from pathlib import Path
 import torch
 
 from .._system import proc_field
+from ..data import byte_level
 from ..errors import UsageError
 from ..models.transformer import TransformerLM
 from ..train.run import load_run
 from .configuration import AftlabConfig
 from .modeling import AftlabForCausalLM
+from .tokenizer import write_byte_tokenizer
 
 __all__ = ["export_run"]
 
@@ -34,8 +36,13 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
 
     The newest checkpoint is the one ``aftlab eval`` and ``aftlab sample`` use (a run keeps its
     last ``keep_last`` checkpoints, and no "best" one). ``out_dir`` gets ``config.json``
-    (an :class:`AftlabConfig`), ``model.safetensors`` and ``generation_config.json``; it is
-    written in a temporary folder beside it and renamed into place, so it is complete or absent.
+    (an :class:`AftlabConfig`), ``model.safetensors`` and ``generation_config.json``, and for a
+    byte-level text task (:func:`aftlab.data.byte_level`: text, enwik8, text8) the byte
+    tokenizer (:func:`~aftlab.hf.tokenizer.write_byte_tokenizer`: ``tokenizer.json``,
+    ``tokenizer_config.json``, ``special_tokens_map.json``). A run of another language-model
+    task (recall, copy: ids that are not text) gets no tokenizer: its ids are used as they are.
+    ``out_dir`` is written in a temporary folder beside it and renamed into place, so it is
+    complete or absent.
 
     Args:
         run_dir: a folder written by ``aftlab train`` on a language-model task (text, enwik8, ...).
@@ -73,6 +80,8 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     try:
         os.chmod(tmp, 0o777 & ~_umask())  # as mkdir makes a folder (mkdtemp's is 0700)
         model.save_pretrained(tmp)
+        if byte_level(run.task_info):
+            write_byte_tokenizer(tmp)
         if out.exists():
             out.rmdir()  # empty, checked above
         os.replace(tmp, out)

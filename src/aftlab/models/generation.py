@@ -4,11 +4,12 @@
 :class:`CausalLM` (``init_cache``, ``prefill``, ``step`` and two facts: ``vocab_size`` and
 ``length_limit``): :class:`~aftlab.models.TransformerLM` today. They feed the prompt in one
 parallel pass (``prefill``, the last position's logits only), then draw each new token with
-:func:`sample_next_token` from ``softmax(logits / temperature)`` over the ``top_k`` largest and
-feed it back (``step``). A model built on :class:`~aftlab.models.transformer.TransformerBackbone`
-decodes from a :class:`DecodingCache` (one mixer state per block). A prompt longer than
-``max_seq_len`` of a model without a length limit is prefilled in chunks of ``max_seq_len``,
-each continuing the cache (:func:`prefill_prompt`).
+:func:`sample_next_token` from ``softmax(logits / temperature)`` over the ``top_k`` largest
+and the ``top_p`` nucleus, and feed it back (``step``). A model built on
+:class:`~aftlab.models.transformer.TransformerBackbone` decodes from a :class:`DecodingCache`
+(one mixer state per block). A prompt longer than ``max_seq_len`` of a model without a length
+limit is prefilled in chunks of ``max_seq_len``, each continuing the cache
+(:func:`prefill_prompt`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ __all__ = [
     "draw_tokens",
     "prefill_prompt",
     "sample_next_token",
+    "sampling_logits",
     "check_sampling_args",
 ]
 
@@ -109,6 +111,7 @@ def _check_generate(
     max_new_tokens: int,
     temperature: float,
     top_k: int | None,
+    top_p: float | None,
 ) -> None:
     where = f"{type(model).__name__}.generate"
     if not isinstance(model, CausalLM):
@@ -119,7 +122,7 @@ def _check_generate(
     V = model.vocab_size
     check_tokens(where, "prompt", prompt, ndim=2, vocab_size=V)
     check_positive_int(where, "max_new_tokens", max_new_tokens, allow_zero=True)
-    check_sampling_args(where, temperature=temperature, top_k=top_k, vocab_size=V)
+    check_sampling_args(where, temperature=temperature, top_k=top_k, top_p=top_p, vocab_size=V)
     total = prompt.shape[1] + max_new_tokens
     limit = model.length_limit
     if limit is not None and total > limit.max_seq_len:
@@ -137,14 +140,15 @@ def stream_generate(
     *,
     temperature: float = 1.0,
     top_k: int | None = None,
+    top_p: float | None = None,
     generator: torch.Generator | None = None,
 ) -> Iterator[torch.Tensor]:
     """Like :func:`generate`, yielding each new token ``(B,)`` as soon as it is drawn.
 
     Arguments are checked when called (before the first token).
     """
-    _check_generate(model, prompt, max_new_tokens, temperature, top_k)
-    return _stream(model, prompt, max_new_tokens, temperature, top_k, generator)
+    _check_generate(model, prompt, max_new_tokens, temperature, top_k, top_p)
+    return _stream(model, prompt, max_new_tokens, temperature, top_k, top_p, generator)
 
 
 @torch.no_grad()
@@ -154,6 +158,7 @@ def _stream(
     max_new_tokens: int,
     temperature: float,
     top_k: int | None,
+    top_p: float | None,
     generator: torch.Generator | None,
 ) -> Iterator[torch.Tensor]:
     if max_new_tokens == 0:
@@ -161,7 +166,7 @@ def _stream(
     logits, cache = prefill_prompt(model, prompt)
     yield from draw_tokens(
         model, logits[:, -1], cache, max_new_tokens,
-        temperature=temperature, top_k=top_k, generator=generator,
+        temperature=temperature, top_k=top_k, top_p=top_p, generator=generator,
     )
 
 
@@ -193,6 +198,7 @@ def generate(
     *,
     temperature: float = 1.0,
     top_k: int | None = None,
+    top_p: float | None = None,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Continue ``prompt`` by sampling ``max_new_tokens`` tokens from ``model`` autoregressively.
@@ -200,8 +206,9 @@ def generate(
     The prompt is fed in one parallel pass (``model.prefill``; in chunks of ``max_seq_len``
     for a longer prompt of a model without a length limit: :func:`prefill_prompt`), then each
     token is drawn
-    from ``softmax(logits / temperature)`` over the ``top_k`` largest logits
-    (:func:`sample_next_token`) and fed back (``model.step``); ``temperature=0`` is greedy.
+    from ``softmax(logits / temperature)`` over the ``top_k`` largest logits and the ``top_p``
+    nucleus (:func:`sample_next_token`) and fed back (``model.step``); ``temperature=0`` is
+    greedy.
     Runs under ``torch.no_grad()``; call ``model.eval()`` first to disable dropout.
 
     Args:
@@ -212,6 +219,7 @@ def generate(
         max_new_tokens: ``N >= 0``.
         temperature: ``>= 0``.
         top_k: ``None`` or ``1 <= k <= vocab_size``.
+        top_p: ``None`` or ``0 < p <= 1``: the nucleus (:func:`sample_next_token`).
         generator: a ``torch.Generator`` for reproducible sampling.
 
     Returns:
@@ -223,7 +231,7 @@ def generate(
     """
     new = list(
         stream_generate(
-            model, prompt, max_new_tokens, temperature=temperature, top_k=top_k,
+            model, prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             generator=generator,
         )
     )
@@ -239,21 +247,30 @@ def draw_tokens(
     *,
     temperature: float = 1.0,
     top_k: int | None = None,
+    top_p: float | None = None,
     generator: torch.Generator | None = None,
 ) -> Iterator[torch.Tensor]:
     """Yield ``n`` tokens ``(B,)``: the first drawn from ``logits: (B, V)``, each next from
     ``model.step(token, cache)`` (:func:`sample_next_token`); no step follows the last."""
     for i in range(n):
-        token = sample_next_token(logits, temperature=temperature, top_k=top_k, generator=generator)
+        token = sample_next_token(
+            logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
+        )
         yield token
         if i + 1 < n:
             logits = model.step(token, cache)
 
 
 def check_sampling_args(
-    where: str, *, temperature: float, top_k: int | None, vocab_size: int
+    where: str,
+    *,
+    temperature: float,
+    top_k: int | None,
+    vocab_size: int,
+    top_p: float | None = None,
 ) -> None:
-    """Raise ``ValueError``/``TypeError`` unless ``temperature >= 0``, ``top_k`` in ``[1, V]``."""
+    """Raise ``ValueError``/``TypeError`` unless ``temperature >= 0``, ``top_k`` in ``[1, V]``
+    and ``top_p`` in ``(0, 1]`` (``None``: no limit)."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise TypeError(
             f"{where}: 'temperature' must be a float >= 0, got {type(temperature).__name__}"
@@ -267,6 +284,57 @@ def check_sampling_args(
             raise ValueError(
                 f"{where}: 'top_k' must be in [1, vocab_size={vocab_size}], got {top_k}"
             )
+    if top_p is not None:
+        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)):
+            raise TypeError(
+                f"{where}: 'top_p' must be a float in (0, 1] or None, got {type(top_p).__name__}"
+            )
+        if not 0 < top_p <= 1:
+            raise ValueError(f"{where}: 'top_p' must be in (0, 1], got {top_p}")
+
+
+def _top_p_mask(z: torch.Tensor, top_p: float) -> torch.Tensor:
+    """True where ``z: (B, V)`` falls outside the nucleus ``top_p`` (:func:`sampling_logits`)."""
+    sorted_z, order = torch.sort(z, descending=False)
+    drop = sorted_z.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
+    drop[..., -1:] = False  # the most likely token stays
+    return drop.scatter(-1, order, drop)
+
+
+def sampling_logits(
+    logits: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+) -> torch.Tensor:
+    """The logits :func:`sample_next_token` draws from: ``z = logits / tau`` (float32), ``-inf``
+    outside the top ``k`` and then outside the nucleus ``top_p``.
+
+    ``top_k`` keeps the ``k`` largest ``z`` of each row. ``top_p`` then keeps the smallest set
+    of most likely tokens whose probabilities sum to at least ``top_p``: with ``p = softmax(z)``
+    sorted ascending, ``p_(1) <= ... <= p_(V)``, token ``(j)`` is dropped when
+    ``sum_{i <= j} p_(i) <= 1 - top_p``, and the most likely token is always kept. The order
+    (temperature, top-k, top-p) and the arithmetic are transformers' ``generate``'s
+    (``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper``), so ties at the
+    boundary fall the same way.
+
+    Args:
+        logits: ``(B, V)`` unnormalised log-probabilities.
+        temperature: ``tau > 0``.
+        top_k: ``None`` (all) or ``1 <= k <= V``.
+        top_p: ``None`` or ``1`` (all), or ``0 < p < 1``.
+
+    Returns:
+        ``(B, V)`` float32.
+    """
+    z = logits.float() / temperature
+    if top_k is not None and top_k < z.shape[-1]:
+        kth = z.topk(top_k, dim=-1).values[:, -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if top_p is not None and top_p < 1:
+        z = z.masked_fill(_top_p_mask(z, top_p), float("-inf"))
+    return z
 
 
 def sample_next_token(
@@ -274,14 +342,18 @@ def sample_next_token(
     *,
     temperature: float = 1.0,
     top_k: int | None = None,
+    top_p: float | None = None,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """Draw one token per row from ``softmax(logits / temperature)``, restricted to the top ``k``.
+    """Draw one token per row from ``softmax(logits / temperature)``, restricted to the top
+    ``k`` and then to the nucleus ``top_p`` (:func:`sampling_logits`).
 
     Args:
         logits: ``(B, V)`` unnormalised log-probabilities.
         temperature: ``tau``; ``p_i ∝ exp(z_i / tau)``. ``0`` takes the argmax (greedy).
         top_k: keep only the ``k`` largest logits of each row (None keeps all).
+        top_p: keep only the fewest most likely tokens whose probabilities sum to at least
+            ``top_p`` in ``(0, 1]`` (None or 1 keeps all).
         generator: random generator for reproducible sampling (on the logits' device).
 
     Returns:
@@ -289,9 +361,5 @@ def sample_next_token(
     """
     if temperature == 0:
         return logits.argmax(dim=-1)
-    z = logits.float() / temperature
-    if top_k is not None and top_k < z.shape[-1]:
-        kth = z.topk(top_k, dim=-1).values[:, -1:]
-        z = z.masked_fill(z < kth, float("-inf"))
-    probs = z.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    z = sampling_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    return torch.multinomial(z.softmax(dim=-1), 1, generator=generator)[:, 0]

@@ -538,7 +538,7 @@ class TransformerLM(nn.Module):
         """Continue ``prompt`` by ``max_new_tokens`` sampled tokens: ``(B, T0 + N)``.
 
         :func:`aftlab.models.generation.generate` of this model; ``sampling``: its keywords
-        ``temperature``, ``top_k``, ``generator``.
+        ``temperature``, ``top_k``, ``top_p``, ``generator``.
         """
         return generation.generate(self, prompt, max_new_tokens, **sampling)
 
@@ -770,6 +770,7 @@ class PixelTransformer(nn.Module):
         prefix: torch.Tensor | None = None,
         temperature: float = 1.0,
         top_k: int | None = None,
+        top_p: float | None = None,
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
         """Sample ``batch_size`` images pixel by pixel, optionally completing a known ``prefix``.
@@ -777,7 +778,7 @@ class PixelTransformer(nn.Module):
         Args:
             batch_size: ``B``.
             prefix: ``(B, T0)`` known first pixels (``T0 <= N``), or None.
-            temperature, top_k, generator: as in :meth:`TransformerLM.generate`.
+            temperature, top_k, top_p, generator: as in :meth:`TransformerLM.generate`.
 
         Returns:
             ``(B, N)`` long; ``.view(B, *image_shape)`` restores the images.
@@ -785,7 +786,11 @@ class PixelTransformer(nn.Module):
         where = f"{type(self).__name__}.sample"
         check_positive_int(where, "batch_size", batch_size)
         check_sampling_args(
-            where, temperature=temperature, top_k=top_k, vocab_size=self.config.vocab_size
+            where,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            vocab_size=self.config.vocab_size,
         )
         known = 0
         if prefix is not None:
@@ -807,6 +812,6 @@ class PixelTransformer(nn.Module):
             cache = self.init_cache(batch_size)
         out += generation.draw_tokens(
             self, self.step(prev, cache), cache, self.num_pixels - known,
-            temperature=temperature, top_k=top_k, generator=generator,
+            temperature=temperature, top_k=top_k, top_p=top_p, generator=generator,
         )
         return torch.stack(out, dim=1)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,11 @@ __all__ = ["LoadedRun", "load_run", "check_run_dir", "read_run_config"]
 
 @dataclass
 class LoadedRun:
-    """A run's config, task, model (weights loaded, eval mode) and checkpoint folder."""
+    """A run's config, task, model (weights loaded, eval mode) and checkpoint folder.
+
+    ``task_info`` is the checkpoint's description of the task (:meth:`aftlab.data.Task.info`),
+    there even when the task itself was not built (``load_task=False``).
+    """
 
     config: TrainConfig
     model_config: TransformerConfig
@@ -28,6 +32,7 @@ class LoadedRun:
     model: nn.Module
     checkpoint: Path
     step: int
+    task_info: dict[str, Any] = field(default_factory=dict)
 
 
 def check_run_dir(run_dir: str | Path) -> Path:
@@ -98,4 +103,4 @@ def load_run(
     model = build_model(model_config, info).to(device)
     state = load_checkpoint(ckpt, model, map_location=device, with_state=False)
     model.eval()
-    return LoadedRun(config, model_config, task, model, ckpt, state["step"])
+    return LoadedRun(config, model_config, task, model, ckpt, state["step"], info)

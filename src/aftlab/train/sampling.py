@@ -12,7 +12,31 @@ from torch import nn
 from ..errors import UsageError
 from ..models.generation import sample_next_token
 
-__all__ = ["sample_text", "default_prompt"]
+__all__ = ["sample_text", "default_prompt", "check_sampling_options"]
+
+
+def check_sampling_options(
+    *,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    seed: int,
+    vocab_size: int | None,
+) -> None:
+    """The command line's sampling options (``aftlab sample``, ``aftlab generate``), named as
+    typed: a :class:`UsageError` unless ``--temperature`` is finite and ``>= 0``, ``--top-k``
+    in ``[1, vocab_size]`` (``vocab_size=None``: not yet known, ``>= 1``), ``--top-p`` in
+    ``(0, 1]`` and ``--seed`` in ``[0, 2**64)``."""
+    if not (temperature >= 0 and math.isfinite(temperature)):
+        raise UsageError(f"--temperature must be >= 0 and finite (0 = greedy), got {temperature}")
+    if top_k is not None and vocab_size is not None and not 1 <= top_k <= vocab_size:
+        raise UsageError(f"--top-k must be in [1, {vocab_size}], got {top_k}")
+    if top_k is not None and top_k < 1:
+        raise UsageError(f"--top-k must be >= 1, got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1] (1 keeps every token), got {top_p}")
+    if not 0 <= seed < 2**64:
+        raise UsageError(f"--seed must be in [0, 2**64), got {seed}")
 
 
 def default_prompt(task: Any, *, length: int = 16) -> list[int]:
@@ -31,6 +55,7 @@ def sample_text(
     tokens: int,
     temperature: float = 0.8,
     top_k: int | None = None,
+    top_p: float | None = None,
     seed: int = 0,
     out: TextIO,
 ) -> str:
@@ -49,20 +74,18 @@ def sample_text(
         tokens: number of tokens to generate.
         temperature: softmax temperature, finite and ``>= 0`` (``0``: greedy).
         top_k: sample among the ``k`` most likely tokens; ``None``: all.
+        top_p: sample among the nucleus of probability ``top_p`` in ``(0, 1]``; ``None``: all.
         seed: seed of the sampling generator, in ``[0, 2**64)``.
         out: where the text goes.
 
     Returns:
         The generated continuation (without the prompt).
     """
-    if not (temperature >= 0 and math.isfinite(temperature)):
-        raise UsageError(f"--temperature must be >= 0 and finite (0 = greedy), got {temperature}")
-    if top_k is not None and not 1 <= top_k <= task.vocab_size:
-        raise UsageError(f"--top-k must be in [1, {task.vocab_size}], got {top_k}")
+    check_sampling_options(
+        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, vocab_size=task.vocab_size
+    )
     if tokens <= 0:
         raise UsageError(f"--tokens must be > 0, got {tokens}")
-    if not 0 <= seed < 2**64:
-        raise UsageError(f"--seed must be in [0, 2**64), got {seed}")
     ids = default_prompt(task) if prompt is None else [int(t) for t in task.encode(prompt)]
     if not ids:
         raise UsageError("the prompt is empty; give some text with --prompt")
@@ -86,16 +109,17 @@ def sample_text(
     if in_context:  # incremental decoding with the mixer's state (KV cache / AFT running sums)
         prompt_t = torch.tensor([ids], dtype=torch.long, device=device)
         for tok in model.stream_generate(
-            prompt_t, in_context, temperature=temperature, top_k=top_k, generator=gen
+            prompt_t, in_context, temperature=temperature, top_k=top_k, top_p=top_p, generator=gen
         ):
             seq.append(int(tok[0]))
             pieces.append(emit([seq[-1]]))
     for _ in range(tokens - in_context):  # past the context: re-read the last T tokens
         window = torch.tensor([seq[-context:]], dtype=torch.long, device=device)
         logits = model(window)[:, -1]
-        seq.append(
-            int(sample_next_token(logits, temperature=temperature, top_k=top_k, generator=gen)[0])
+        token = sample_next_token(
+            logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=gen
         )
+        seq.append(int(token[0]))
         pieces.append(emit([seq[-1]]))
     if dec is not None:
         tail = dec.decode(b"", final=True)
