@@ -362,9 +362,7 @@ class RWKV4LM(nn.Module):
         check_positive_int(where, "logits_to_keep", logits_to_keep, allow_zero=True)
         if cache is not None:
             self.check_cache(cache, idx, input_name="idx")
-        B, T = idx.shape
-        if T == 0:
-            raise ValueError(f"{where}: 'idx' must hold at least one token, got shape {(B, T)}")
+        B, T = idx.shape  # T >= 1: check_tokens refuses an empty idx
         h = self.ln0(self.embeddings(idx))
         states = []
         for i, (block, (scale, halve)) in enumerate(zip(self.blocks, self._scales(), strict=True)):
