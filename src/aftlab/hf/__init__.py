@@ -3,6 +3,8 @@
 Importing this package registers ``model_type = "aftlab"`` with ``AutoConfig`` and
 ``AutoModelForCausalLM``, so ``AutoModelForCausalLM.from_pretrained(folder)`` loads a folder
 written by ``save_pretrained`` or ``aftlab export`` (safetensors weights, JSON config).
+RWKV-4 needs no registration (its folders are transformers' own ``RwkvForCausalLM``):
+:func:`to_transformers` converts an :class:`~aftlab.models.RWKV4LM` in memory.
 Needs the ``hf`` extra: ``pip install 'aftlab[hf]'`` (docs/huggingface.md).
 
 Example:
@@ -24,8 +26,15 @@ except ImportError as e:  # pragma: no cover - the hf extra is missing
 from .configuration import AftlabConfig
 from .export import export_run
 from .modeling import AftlabCausalLMOutput, AftlabForCausalLM
+from .rwkv4 import to_transformers
 
-__all__ = ["AftlabConfig", "AftlabForCausalLM", "AftlabCausalLMOutput", "export_run"]
+__all__ = [
+    "AftlabConfig",
+    "AftlabForCausalLM",
+    "AftlabCausalLMOutput",
+    "export_run",
+    "to_transformers",
+]
 
 transformers.AutoConfig.register(AftlabConfig.model_type, AftlabConfig, exist_ok=True)
 transformers.AutoModelForCausalLM.register(AftlabConfig, AftlabForCausalLM, exist_ok=True)
