@@ -1,4 +1,5 @@
-"""TransformerConfig: JSON round trip, derived sizes and every validation error."""
+"""TransformerConfig and RWKV4Config: JSON round trips, derived sizes, every validation error;
+model_config_from_dict."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import re
 
 import pytest
 
-from aftlab.models import TransformerConfig
+from aftlab.models import RWKV4Config, TransformerConfig
+from aftlab.models.config import ARCHITECTURES, model_config_from_dict
 
 
 def _custom() -> TransformerConfig:
@@ -141,3 +143,68 @@ def test_from_dict_validates_values():
 def test_from_dict_partial_uses_defaults():
     cfg = TransformerConfig.from_dict({"d_model": 32, "n_heads": 2})
     assert cfg.d_model == 32 and cfg.n_layers == TransformerConfig().n_layers
+
+
+# --------------------------------------------------------------------------- RWKV4Config
+def _rwkv4() -> RWKV4Config:
+    return RWKV4Config(
+        vocab_size=99, d_model=32, n_layers=7, d_ff=37, max_seq_len=77, layer_norm_eps=1e-6,
+        rescale_every=0, tie_embeddings=True,
+    )  # fmt: skip
+
+
+def test_rwkv4_config_round_trips():
+    cfg = _rwkv4()
+    defaults = RWKV4Config()
+    # every field differs from its default, so a dropped or reset field would show
+    for f in dataclasses.fields(RWKV4Config):
+        assert getattr(cfg, f.name) != getattr(defaults, f.name), f.name
+    data = cfg.to_dict()
+    assert data["architecture"] == "rwkv4"
+    assert RWKV4Config.from_dict(data) == cfg
+    assert RWKV4Config.from_json(cfg.to_json()) == cfg
+    assert json.loads(cfg.to_json()) == data
+    assert (cfg.resolved_d_ff, defaults.resolved_d_ff) == (37, 4 * defaults.d_model)
+
+
+RWKV4_BAD = [
+    ("vocab_size", 0),
+    ("d_model", 2.5),
+    ("n_layers", True),
+    ("max_seq_len", -1),
+    ("d_ff", 0),
+    ("rescale_every", -1),
+    ("rescale_every", 1.0),
+    ("layer_norm_eps", 0.0),
+    ("layer_norm_eps", "1e-5"),
+    ("tie_embeddings", 1),
+]
+
+
+@pytest.mark.parametrize("field,value", RWKV4_BAD, ids=[f"{f}={v!r}" for f, v in RWKV4_BAD])
+def test_rwkv4_config_validation_names_the_field(field, value):
+    with pytest.raises(ValueError, match=re.escape(f"RWKV4Config: '{field}' must be")) as info:
+        RWKV4Config(**{field: value})
+    assert repr(value) in str(info.value)
+
+
+def test_rwkv4_config_from_dict_refusals():
+    with pytest.raises(ValueError, match=re.escape("unknown field(s) ['n_heads']")):
+        RWKV4Config.from_dict({"n_heads": 2})
+    with pytest.raises(ValueError, match="'architecture' must be 'rwkv4', got 'transformer'"):
+        RWKV4Config.from_dict({"architecture": "transformer"})
+    with pytest.raises(TypeError, match="expected a dict, got list"):
+        RWKV4Config.from_dict([])
+
+
+def test_model_config_from_dict_dispatches_on_architecture():
+    assert model_config_from_dict(_rwkv4().to_dict()) == _rwkv4()
+    tc = TransformerConfig(d_model=32, n_heads=2)
+    assert model_config_from_dict(tc.to_dict()) == tc  # no "architecture": a TransformerConfig
+    assert model_config_from_dict({**tc.to_dict(), "architecture": "transformer"}) == tc
+    assert set(ARCHITECTURES) == {"transformer", "rwkv4"}
+    with pytest.raises(ValueError, match=r"'architecture' must be one of \['rwkv4', "
+                                         r"'transformer'\], got 'mamba'"):  # fmt: skip
+        model_config_from_dict({"architecture": "mamba"})
+    with pytest.raises(TypeError, match="expected a dict"):
+        model_config_from_dict(None)

@@ -4,8 +4,9 @@ Importing this package registers ``model_type = "aftlab"`` with ``AutoConfig`` a
 ``AutoModelForCausalLM``, so ``AutoModelForCausalLM.from_pretrained(folder)`` loads a folder
 written by ``save_pretrained`` or ``aftlab export`` (safetensors weights, JSON config; for a
 byte-level text run also the byte tokenizer of :mod:`aftlab.hf.tokenizer`, which
-``AutoTokenizer`` loads). Needs the ``hf`` extra: ``pip install 'aftlab[hf]'``
-(docs/huggingface.md).
+``AutoTokenizer`` loads). RWKV-4 needs no registration (its folders are transformers' own
+``RwkvForCausalLM``): :func:`to_transformers` converts an :class:`~aftlab.models.RWKV4LM` in
+memory. Needs the ``hf`` extra: ``pip install 'aftlab[hf]'`` (docs/huggingface.md).
 
 Example:
     >>> import torch
@@ -26,6 +27,7 @@ except ImportError as e:  # pragma: no cover - the hf extra is missing
 from .configuration import AftlabConfig
 from .export import export_run
 from .modeling import AftlabCausalLMOutput, AftlabForCausalLM
+from .rwkv4 import to_transformers
 from .tokenizer import byte_tokenizer, write_byte_tokenizer
 
 __all__ = [
@@ -35,6 +37,7 @@ __all__ = [
     "export_run",
     "byte_tokenizer",
     "write_byte_tokenizer",
+    "to_transformers",
 ]
 
 transformers.AutoConfig.register(AftlabConfig.model_type, AftlabConfig, exist_ok=True)

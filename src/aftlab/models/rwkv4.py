@@ -219,8 +219,10 @@ class RWKV4LM(nn.Module):
     any float format). It keeps a float16 hidden state in range. In float32 it is not a no-op:
     LayerNorm sees ``h / 2^j``, and ``LN(h / s) = (h - mean) / sqrt(var + eps s^2)``, so block
     ``l`` normalises with an effective ``eps 4^(l // r)`` (and ``LN_out`` with ``4^(N // r)``).
-    Logits move by about 1e-6 relative at 12 layers (docs/rwkv.md); ``model.train()`` turns it
-    off, as in HF.
+    Measured on random ``d = 32`` models (``r = 6``; tests/models/test_rwkv4.py): the logits
+    move by up to 9e-6 of their largest magnitude at 7 blocks and 1.3e-5 at 12, the same in
+    float64 (the epsilons, not rounding); less where the hidden state's variance is larger.
+    ``model.train()`` turns it off, as in HF.
 
     Args:
         config: an :class:`~aftlab.models.config.RWKV4Config`.
@@ -361,9 +363,7 @@ class RWKV4LM(nn.Module):
         check_positive_int(where, "logits_to_keep", logits_to_keep, allow_zero=True)
         if cache is not None:
             self.check_cache(cache, idx, input_name="idx")
-        B, T = idx.shape
-        if T == 0:
-            raise ValueError(f"{where}: 'idx' must hold at least one token, got shape {(B, T)}")
+        B, T = idx.shape  # T >= 1: check_tokens refuses an empty idx
         h = self.ln0(self.embeddings(idx))
         states = []
         for i, (block, (scale, halve)) in enumerate(zip(self.blocks, self._scales(), strict=True)):

@@ -34,6 +34,7 @@ __all__ = [
     "save_rwkv4",
     "from_hf_model",
     "hf_names",
+    "hf_state_dict",
     "blinkdl_to_hf",
     "hf_config_dict",
     "config_from_hf",
@@ -70,6 +71,8 @@ _TOP = {
 }
 #: kept in float32 whatever the weights' dtype (as Hugging Face and ChatRWKV keep them)
 _FLOAT32 = ("att.time_decay", "att.time_bonus")
+#: the token-shift mixes: ``(d,)`` in aftlab, ``(1, 1, d)`` in Hugging Face's and BlinkDL's files
+_MIXES = ("mix_k", "mix_v", "mix_q", "mix_r")
 
 
 def hf_names(n_layers: int) -> dict[str, str]:
@@ -78,6 +81,22 @@ def hf_names(n_layers: int) -> dict[str, str]:
     for i in range(n_layers):
         names.update({f"blocks.{i}.{a}": f"rwkv.blocks.{i}.{h}" for a, h in _BLOCK.items()})
     return names
+
+
+def hf_state_dict(
+    model: RWKV4LM, *, device: torch.device | str | None = None
+) -> dict[str, torch.Tensor]:
+    """``model``'s tensors under Hugging Face's names (:func:`hf_names`; the mixes
+    ``(1, 1, d)``): detached, contiguous copies on ``device`` (default: the model's), in their
+    dtypes. A tied head is there too, as ``head.weight``."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    out = {}
+    for ours, theirs in hf_names(model.config.n_layers).items():
+        t = params[ours].detach()
+        if ours.endswith(_MIXES):
+            t = t.reshape(1, 1, -1)
+        out[theirs] = t.to(device=device or t.device, copy=True).contiguous()
+    return out
 
 
 def blinkdl_to_hf(name: str) -> str:
@@ -332,13 +351,7 @@ def save_rwkv4(model: RWKV4LM, path: str | PathLike) -> Path:
         what = "is not empty" if out.is_dir() else "is a file"
         raise ValueError(f"save_pretrained: {str(out)!r} {what}; choose a new folder")
     out.mkdir(parents=True, exist_ok=True)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    tensors = {}
-    for ours, theirs in hf_names(model.config.n_layers).items():
-        t = params[ours].detach()
-        if ours.endswith(("mix_k", "mix_v", "mix_q", "mix_r")):
-            t = t.reshape(1, 1, -1)
-        tensors[theirs] = t.to("cpu").contiguous().clone()
+    tensors = hf_state_dict(model, device="cpu")
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf_config_dict(model.config), indent=2) + "\n")
     return out
