@@ -243,8 +243,7 @@ def aftlab_model(hf, dtype: torch.dtype | None = None):
         from aftlab.models.rwkv4 import RWKV4LM
     except ImportError:
         return None
-    model = RWKV4LM.from_hf(hf)
-    return model if dtype is None else model.to(dtype)
+    return RWKV4LM.from_hf(hf, dtype=dtype)  # decays and bonuses stay float32
 
 
 def _logits(out: Any) -> torch.Tensor:

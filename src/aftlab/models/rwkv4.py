@@ -420,12 +420,12 @@ class RWKV4LM(nn.Module):
         save_rwkv4(self, path)
 
     @classmethod
-    def from_hf(cls, hf_model: nn.Module) -> RWKV4LM:
-        """The model of a transformers ``RwkvForCausalLM`` instance, weights copied
-        (:func:`aftlab.models.rwkv4_io.from_hf_model`)."""
+    def from_hf(cls, hf_model: nn.Module, *, dtype: torch.dtype | None = None) -> RWKV4LM:
+        """The model of a transformers ``RwkvForCausalLM`` instance, weights copied, in
+        ``dtype`` (:func:`aftlab.models.rwkv4_io.from_hf_model`)."""
         from .rwkv4_io import from_hf_model
 
-        return from_hf_model(hf_model)
+        return from_hf_model(hf_model, dtype=dtype)
 
 
 # --------------------------------------------------------------------------- HF's state

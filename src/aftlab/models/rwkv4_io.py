@@ -322,10 +322,11 @@ def load_rwkv4(
     raise FileNotFoundError(f"{p}: no such file or folder")
 
 
-def from_hf_model(hf_model: nn.Module) -> RWKV4LM:
+def from_hf_model(hf_model: nn.Module, *, dtype: torch.dtype | None = None) -> RWKV4LM:
     """An :class:`RWKV4LM` with the weights of a transformers ``RwkvForCausalLM`` (copied; in
-    the mode of ``hf_model``). Weights HF has rescaled in place for inference are read back
-    at their trained scale."""
+    the mode of ``hf_model``), in ``dtype`` (default ``hf_model``'s; the decays and bonuses
+    stay float32, as :func:`load_rwkv4` keeps them). Weights HF has rescaled in place for
+    inference are read back at their trained scale."""
     config = config_from_hf(hf_model.config.to_dict(), where="RwkvConfig")
     hf = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
     if getattr(getattr(hf_model, "rwkv", None), "layers_are_rescaled", False) and (
@@ -334,7 +335,7 @@ def from_hf_model(hf_model: nn.Module) -> RWKV4LM:
         for i in range(config.n_layers):
             for name in ("attention.output.weight", "feed_forward.value.weight"):
                 hf[f"rwkv.blocks.{i}.{name}"] *= 2 ** (i // r)
-    dtype = hf_model.rwkv.embeddings.weight.dtype
+    dtype = dtype or hf_model.rwkv.embeddings.weight.dtype
     model = _build(config, hf, "RwkvForCausalLM", dtype=dtype, device=None)
     return model.train(hf_model.training)
 
