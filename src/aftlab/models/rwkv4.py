@@ -183,16 +183,17 @@ def _scaled(y: torch.Tensor, scale: float) -> torch.Tensor:
 @torch.no_grad()
 def init_rwkv4(model: RWKV4LM) -> None:
     """RWKV-4's own initialisation (BlinkDL/RWKV-LM, ``RWKV-v4neo/src/model.py``,
-    ``RWKV.generate_init_weight``; docs/aft.md, "RWKV-4"):
+    ``RWKV.generate_init_weight``; docs/rwkv.md, "Initialisation"):
 
-    * the embedding ``~ U(-1e-4, 1e-4)``;
+    * the embedding ``~ U(-6e-4, 6e-4)`` (v4neo draws ``U(-lr_init, lr_init)``; 6e-4 is the
+      default ``--lr_init`` of its ``train.py``);
     * the time mix's ``W_k, W_r, W_o`` and the channel mix's ``W_v, W_r``: zeros;
     * every other matrix orthogonal with gain ``sqrt(rows / cols)`` when it has more rows than
       columns (else 1); the head's gain ``0.5`` times that;
     * LayerNorms ``gamma = 1, beta = 0``; the decays, bonus and mixes at their ramps (each
       module's ``reset_parameters``).
     """
-    nn.init.uniform_(model.embeddings.weight, -1e-4, 1e-4)
+    nn.init.uniform_(model.embeddings.weight, -6e-4, 6e-4)
     zero = {"att.to_k", "att.to_q", "att.proj", "ffn.value", "ffn.receptance"}
     for name, m in model.named_modules():
         if isinstance(m, nn.LayerNorm):
