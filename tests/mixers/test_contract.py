@@ -17,7 +17,9 @@ import dataclasses
 import pytest
 import torch
 
-from aftlab.mixers import available_mixers, build_mixer, get_mixer_class
+from aftlab.mixers import available_mixers, get_mixer_class
+from aftlab.mixers import build_mixer as _build_registered
+from aftlab.mixers.aft.common import AFTMixer
 from aftlab.mixers.base import GROWS
 from aftlab.ops.state import BandState, RunningSums
 from aftlab.testing import assert_close, assert_same_state, decode, perturb_parameters
@@ -27,15 +29,36 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 B, T, D, H, T_MAX = 3, 11, 15, 3, 48
 F64 = torch.float64
 
-#: the registered mixers, at collection; what each declares comes from its class
-NAMES = available_mixers()
-CASES = [(n, c) for n in NAMES for c in (False, True) if c or not get_mixer_class(n).causal_only]
+#: every AFT mixer again with ``token_shift=True`` ("aft-local+shift"; ``rwkv4`` is aft-decay
+#: with it, registered itself): the same promises with the shift and its state
+SHIFTED = {
+    f"{n}+shift": n
+    for n in available_mixers()
+    if issubclass(get_mixer_class(n), AFTMixer) and n != "rwkv4"
+}
+#: the registered mixers, at collection, and the shifted ones; what each declares comes from
+#: its class
+NAMES = [*available_mixers(), *SHIFTED]
+
+
+def _cls(name: str):
+    return get_mixer_class(SHIFTED.get(name, name))
+
+
+def build_mixer(name: str, **kw):
+    """The registry's ``build_mixer``; a ``SHIFTED`` name builds its mixer with the shift."""
+    if name in SHIFTED:
+        return _build_registered(SHIFTED[name], token_shift=True, **kw)
+    return _build_registered(name, **kw)
+
+
+CASES = [(n, c) for n in NAMES for c in (False, True) if c or not _cls(n).causal_only]
 
 
 def _mixer(name, causal=True, dtype=F64, **kw):
     """``name`` with every parameter perturbed (no zero bias or kernel hides a path), eval mode,
     with its ``test_options`` (small windows and kernels: the ring buffers wrap within T)."""
-    opts = {**get_mixer_class(name).test_options, **kw}
+    opts = {**_cls(name).test_options, **kw}
     m = build_mixer(name, d_model=D, n_heads=H, causal=causal, max_seq_len=T_MAX, **opts)
     return perturb_parameters(m.to(dtype)).eval()
 
@@ -380,7 +403,7 @@ def test_odd_and_empty_sizes(name, causal):
         assert y.shape == (*shape, D) and torch.isfinite(y).all()
 
 
-@pytest.mark.parametrize("name", [n for n in NAMES if get_mixer_class(n).causal_only])
+@pytest.mark.parametrize("name", [n for n in NAMES if _cls(n).causal_only])
 def test_causal_only_mixers_refuse_causal_false(name):
     with pytest.raises(ValueError, match="'causal'"):
         build_mixer(name, d_model=D, causal=False)

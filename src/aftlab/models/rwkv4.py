@@ -148,7 +148,7 @@ class RWKV4Block(nn.Module):
         h = x + _scaled(y, scale)
         u = self.ln2(h)
         out = h + _scaled(self.ffn(u, None if state is None else state.ffn), scale)
-        return out, RWKV4State(att, u[:, -1])
+        return out, RWKV4State(att, u[:, -1].clone())  # not a view of the chunk
 
     def _step(
         self, x: torch.Tensor, state: RWKV4State, scale: float = 1.0

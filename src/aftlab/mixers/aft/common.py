@@ -168,7 +168,8 @@ class AFTMixer(SequenceMixer):
         ``return_state=True``, then :meth:`output` of its ``y``."""
         last, inner = self._split(state)
         y, inner = self._op(*self.project(x, last), None, inner, True)
-        return self.output(y), self._join(x[:, -1], inner)
+        # a copy: a view would keep the whole chunk's input alive in the state
+        return self.output(y), self._join(x[:, -1].clone(), inner)
 
     def _step(self, x: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any]:
         """One token ``x: (B, d)``: :meth:`project`, :meth:`_op_step`, :meth:`output`."""
