@@ -110,9 +110,9 @@ def _aft_decay(q, k, v, decay, bonus, *, padding_mask, initial_state=None, retur
     input is validated); the state (unless ``check_state=False``: the mixer's caller checked
     it) and ``cu_seqlens`` are checked."""
     if check_state_keywords("aft_decay", True, initial_state, return_state, cu_seqlens):
+        if initial_state is not None and check_state:
+            check_running_sums("aft_decay", initial_state, q)
         if _carry_in_kernel(q, k, v, decay, bonus, padding_mask, initial_state, cu_seqlens):
-            if initial_state is not None and check_state:
-                check_running_sums("aft_decay", initial_state, q)
             y, state = kernels.scan.aft_decay_state(q, k, v, decay, bonus, initial_state)
             return (y, state) if return_state else y
 
@@ -122,7 +122,7 @@ def _aft_decay(q, k, v, decay, bonus, *, padding_mask, initial_state=None, retur
         return run_scan(
             "aft_decay", core, q, k, v, decay, padding_mask=padding_mask,
             initial_state=initial_state, return_state=return_state, cu_seqlens=cu_seqlens,
-            check_state=check_state,
+            check_state=False,  # checked above
         )
     if kernels.enabled(q, decay, bonus):
         return kernels.scan.aft_decay(q, k, v, decay, bonus, padding_mask=padding_mask)
