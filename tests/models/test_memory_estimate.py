@@ -21,6 +21,7 @@ from aftlab.mixers import (
     register_mixer,
     unregister_mixer,
 )
+from aftlab.mixers.aft.common import AFTMixer
 from aftlab.models import (
     PixelTransformer,
     TransformerClassifier,
@@ -88,6 +89,18 @@ def test_parameter_count_is_exact_for_every_registered_mixer(mixer):
         assert parameter_count(cfg) == _count(TransformerLM(cfg)), cfg
         pixels = PixelTransformer(cfg, image_shape=(3, 3))
         assert parameter_count(cfg) + cfg.d_model == _count(pixels), cfg
+
+
+@pytest.mark.parametrize(
+    "mixer",
+    [m for m in available_mixers() if issubclass(get_mixer_class(m), AFTMixer) and m != "rwkv4"],
+)
+def test_parameter_count_with_the_token_shift(mixer):
+    """``token_shift=True`` adds the three mixes of ``d`` per block (rwkv4 always has them)."""
+    shifted = TransformerConfig(**SMALL, mixer=mixer, mixer_options={"token_shift": True})
+    assert parameter_count(shifted) == _count(TransformerLM(shifted))
+    plain = TransformerConfig(**SMALL, mixer=mixer)
+    assert parameter_count(shifted) - parameter_count(plain) == 3 * 16 * 2
 
 
 @pytest.mark.parametrize(

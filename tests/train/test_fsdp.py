@@ -228,3 +228,21 @@ def test_parallel_setting_is_checked(tmp_path):
     assert res.returncode == 2
     assert "'parallel' must be one of ['ddp', 'fsdp'], got 'zero'" in res.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_an_rwkv4_model_shards_its_blocks_and_trains_like_one_process(tmp_path):
+    """``model.architecture = "rwkv4"`` under 2 FSDP processes: the losses and weights of one
+    process (wrap_model shards its RWKV4Blocks, then the root)."""
+    write_text(tmp_path / "data.txt")
+    pairs = [(f, v) for f, v in zip(ARGS[::2], ARGS[1::2], strict=True) if "n_heads" not in v]
+    args = [x for pair in pairs for x in pair] + ["--set", "model.architecture=rwkv4"]
+    for name, extra in (("one", []), ("two", ["--parallel", "fsdp"])):
+        cmd = ["train", "--data", str(tmp_path / "data.txt"), *args, "--steps", "2", *extra]
+        cmd += ["--out", str(tmp_path / name)]
+        run = _torchrun if extra else run_aftlab
+        res = run("-m", "aftlab", *cmd, cwd=tmp_path) if extra else run(*cmd, cwd=tmp_path)
+        assert res.returncode == 0, res.stderr[-3000:]
+    l1, l2 = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    assert sorted(l1) == sorted(l2) == [1, 2]
+    assert list(l1.values()) == pytest.approx(list(l2.values()), abs=1e-5)
+    _assert_weights_close(_ckpt(tmp_path / "one", 2), _ckpt(tmp_path / "two", 2), atol=1e-5)

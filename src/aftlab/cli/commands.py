@@ -369,7 +369,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     print(
         f"{args.split} {metric}: {res[metric]:.4f}  (loss {res['loss']:.4f} nats over "
         f"{res['targets']:,} "
-        f"targets; step {run.step}, {run.config.mixer} on {run.config.task}{how})"
+        f"targets; step {run.step}, {run.config.model_label} on {run.config.task}{how})"
     )
     return 0
 

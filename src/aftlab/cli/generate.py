@@ -203,12 +203,13 @@ def _model_type(config: Path) -> object:
 
 def _load_run(p: Path, tok):
     from ..data import byte_level
+    from ..models.rwkv4 import RWKV4LM
     from ..models.transformer import TransformerLM
     from ..train.run import load_run
 
     run = load_run(p, load_task=False)
     check_finite_weights(run)
-    if not isinstance(run.model, TransformerLM):
+    if not isinstance(run.model, (TransformerLM, RWKV4LM)):
         raise UsageError(
             f"run {str(p)!r} holds a {type(run.model).__name__} (task {run.config.task!r}); "
             "generate needs a language model (e.g. --task text)"

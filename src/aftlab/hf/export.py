@@ -12,6 +12,7 @@ import torch
 from .._system import proc_field
 from ..data import byte_level
 from ..errors import UsageError
+from ..models.rwkv4 import RWKV4LM
 from ..models.transformer import TransformerLM
 from ..train.run import load_run
 from .configuration import AftlabConfig
@@ -41,8 +42,10 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     tokenizer (:func:`~aftlab.hf.tokenizer.write_byte_tokenizer`: ``tokenizer.json``,
     ``tokenizer_config.json``, ``special_tokens_map.json``). A run of another language-model
     task (recall, copy: ids that are not text) gets no tokenizer: its ids are used as they are.
-    ``out_dir`` is written in a temporary folder beside it and renamed into place, so it is
-    complete or absent.
+    A run of ``model.architecture = "rwkv4"`` is written in transformers' own format
+    (``RwkvForCausalLM``: :meth:`~aftlab.models.RWKV4LM.save_pretrained`), with the same
+    tokenizer. ``out_dir`` is written in a temporary folder beside it and renamed into place,
+    so it is complete or absent.
 
     Args:
         run_dir: a folder written by ``aftlab train`` on a language-model task (text, enwik8, ...).
@@ -61,7 +64,7 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
         what = "is not empty" if out.is_dir() else "is a file"
         raise UsageError(f"OUT_DIR {str(out)!r} {what}; choose a new folder")
     run = load_run(run_dir, load_task=False)
-    if type(run.model) is not TransformerLM:
+    if type(run.model) not in (TransformerLM, RWKV4LM):
         raise UsageError(
             f"run {str(run_dir)!r} holds a {type(run.model).__name__} (task "
             f"{run.config.task!r}); export writes causal language models (e.g. --task text)"
@@ -72,8 +75,11 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
                 f"the weights in {str(run.checkpoint)!r} are not finite (NaN or inf in {name}): "
                 "the run diverged"
             )
-    model = AftlabForCausalLM(AftlabConfig.from_transformer_config(run.model_config))
-    model.model.load_state_dict(run.model.state_dict())
+    if isinstance(run.model, RWKV4LM):
+        model = run.model  # transformers' own format (RwkvForCausalLM)
+    else:
+        model = AftlabForCausalLM(AftlabConfig.from_transformer_config(run.model_config))
+        model.model.load_state_dict(run.model.state_dict())
     parent = out.absolute().parent
     parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=parent))

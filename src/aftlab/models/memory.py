@@ -22,7 +22,7 @@ from ..mixers.aft.local import AFTLocal
 from ..mixers.aft.simple import AFTSimple
 from ..mixers.attention import MultiHeadAttention, NaiveMultiHeadAttention
 from .blocks import mixer_from_config
-from .config import TransformerConfig
+from .config import RWKV4Config, TransformerConfig
 
 __all__ = [
     "parameter_count",
@@ -60,9 +60,11 @@ def _attention(c: TransformerConfig, cls: type[SequenceMixer]) -> int:
 
 
 def _aft(c: TransformerConfig, cls: type[SequenceMixer], key_dim: int | None = None) -> int:
-    """``W^Q``, ``W^K`` (``key_dim`` wide), ``W^V`` and ``W^O`` of :class:`AFTMixer`."""
+    """``W^Q``, ``W^K`` (``key_dim`` wide), ``W^V`` and ``W^O`` of :class:`AFTMixer`, and the
+    three mixes of its ``token_shift``."""
     d = c.d_model
-    return 3 * _linear(d, d, c.bias) + _linear(d, d if key_dim is None else key_dim, c.bias)
+    shift = 3 * d if c.mixer_options.get("token_shift") is True else 0
+    return 3 * _linear(d, d, c.bias) + _linear(d, d if key_dim is None else key_dim, c.bias) + shift
 
 
 def _position_bias(c: TransformerConfig, cls: type[SequenceMixer]) -> int:
@@ -96,13 +98,29 @@ def _mixer_parameters(config: TransformerConfig) -> int:
         return sum(p.numel() for p in mixer_from_config(config).parameters())
 
 
-def parameter_count(config: TransformerConfig, *, num_classes: int | None = None) -> int:
-    """The parameters of the :class:`~aftlab.models.TransformerLM` ``config`` describes.
+def _rwkv4_parameters(c: RWKV4Config) -> int:
+    """:class:`~aftlab.models.RWKV4LM`: the embedding, ``ln0``, per block two norms, the time
+    mix (``W_r, W_k, W_v, W_o``, decay, bonus, three mixes) and the channel mix (``W_k (r, d)``,
+    ``W_r``, ``W_v (d, r)``, two mixes), ``ln_out`` and the head."""
+    d, V, r = c.d_model, c.vocab_size, c.resolved_d_ff
+    block = 4 * d + (4 * d * d + 5 * d) + (2 * d * r + d * d + 2 * d)
+    return V * d + 2 * d + c.n_layers * block + 2 * d + (0 if c.tie_embeddings else V * d)
+
+
+def parameter_count(
+    config: TransformerConfig | RWKV4Config, *, num_classes: int | None = None
+) -> int:
+    """The parameters of the :class:`~aftlab.models.TransformerLM` ``config`` describes (an
+    :class:`~aftlab.models.RWKV4LM` for an :class:`~aftlab.models.RWKV4Config`).
 
     With ``num_classes``: a :class:`~aftlab.models.TransformerClassifier`'s. A
     :class:`~aftlab.models.PixelTransformer` has ``d_model`` more (its start token). Exact for
     every registered mixer (tests/models/test_memory_estimate.py); a tied head is counted once.
     """
+    if isinstance(config, RWKV4Config):
+        if num_classes is not None:
+            raise ValueError("parameter_count: an RWKV4Config has no classifier (num_classes)")
+        return _rwkv4_parameters(config)
     d, V = config.d_model, config.vocab_size
     norm = 2 * d  # a LayerNorm's gain and bias
     r = config.resolved_d_ff
@@ -117,7 +135,7 @@ def parameter_count(config: TransformerConfig, *, num_classes: int | None = None
 
 
 def estimate_memory(
-    config: TransformerConfig,
+    config: TransformerConfig | RWKV4Config,
     *,
     num_classes: int | None = None,
     dtype: torch.dtype | None = None,
@@ -134,7 +152,9 @@ def estimate_memory(
     ``B T (N (7 d + 2 d_ff) + d + 2 V)`` values (per block the norms' inputs, ``Q, K, V``, the
     mixer's output, both feed-forward activations; then the logits and their log-softmax). A
     lower bound: a run's peak also holds temporaries, the mixer's own saved tensors (e.g.
-    attention-naive's ``B H T^2`` weights) and the allocator's slack.
+    attention-naive's ``B H T^2`` weights) and the allocator's slack. An
+    :class:`~aftlab.models.RWKV4Config` is counted the same way (its blocks hold the same
+    values: two norms' inputs, ``R, K, V``, the time mix's output, the channel mix's two).
     """
     itemsize = (dtype or torch.get_default_dtype()).itemsize
     params = parameter_count(config, num_classes=num_classes)
@@ -182,7 +202,7 @@ def check_memory(
 
 
 def check_model_fits(
-    where: str, config: TransformerConfig, *, num_classes: int | None = None
+    where: str, config: TransformerConfig | RWKV4Config, *, num_classes: int | None = None
 ) -> None:
     """:func:`check_memory` of building the model of ``config`` (:func:`estimate_memory`)."""
     n, dtype = parameter_count(config, num_classes=num_classes), torch.get_default_dtype()

@@ -15,7 +15,7 @@ from torch import nn
 
 from .._checks import did_you_mean
 from ..errors import UsageError
-from ..models.config import TransformerConfig
+from ..models.config import RWKV4Config, TransformerConfig
 from ..models.memory import check_memory, estimate_memory, parameter_count
 from .config import TrainConfig
 
@@ -42,21 +42,34 @@ def build_task(config: TrainConfig) -> Any:
         raise UsageError(str(e)) from None
 
 
-def model_config_for(config: TrainConfig, task: Any) -> TransformerConfig:
-    """The run's :class:`TransformerConfig`: the config's ``[model]``, ``mixer`` and
-    ``mixer_options``, with what the task decides.
+def model_config_for(config: TrainConfig, task: Any) -> TransformerConfig | RWKV4Config:
+    """The run's model config: the config's ``[model]``, ``mixer`` and ``mixer_options``, with
+    what the task decides.
 
     The task gives ``vocab_size``, ``max_seq_len`` (its ``seq_len``: an image fixes it),
     ``causal`` (``task.kind == "lm"``) and the mixer options the mixer takes from a task (its
     ``options_from_task``, e.g. aft-conv's ``grid`` on digits classification) that the config
-    does not set.
+    does not set. ``model.architecture = "rwkv4"`` gives an :class:`RWKV4Config`: a causal
+    language model of text, which no other task trains.
 
     Raises:
         UsageError: an unknown mixer (with the close names), a model the task's sizes make
-            invalid.
+            invalid, an architecture the task cannot train.
     """
     from ..mixers import available_mixers, get_mixer_class
 
+    if config.architecture != "transformer":
+        if task.kind != "lm" or getattr(task, "image_shape", None) is not None:
+            raise UsageError(
+                f"config: model.architecture = {config.architecture!r} is a language model of "
+                f"token sequences; task {config.task!r} needs a "
+                + ("classifier" if task.kind != "lm" else "pixel model")
+                + ' (model.architecture = "transformer")'
+            )
+        try:
+            return config.model_config(vocab_size=task.vocab_size, max_seq_len=task.seq_len)
+        except (TypeError, ValueError) as e:
+            raise UsageError(f"config: {e}") from None
     try:
         mixer = get_mixer_class(config.mixer)
     except ValueError:
@@ -82,8 +95,11 @@ def model_config_for(config: TrainConfig, task: Any) -> TransformerConfig:
         raise UsageError(f"config: {e}") from None
 
 
-def build_model(model_config: TransformerConfig, task_info: dict[str, Any]) -> nn.Module:
-    """The model for a task: language model, pixel model or classifier.
+def build_model(
+    model_config: TransformerConfig | RWKV4Config, task_info: dict[str, Any]
+) -> nn.Module:
+    """The model for a task: language model, pixel model or classifier; an
+    :class:`~aftlab.models.RWKV4LM` for an :class:`RWKV4Config`.
 
     Args:
         model_config: from :func:`model_config_for` (or a checkpoint's ``config.json``).
@@ -97,6 +113,8 @@ def build_model(model_config: TransformerConfig, task_info: dict[str, Any]) -> n
 
     kind = task_info["kind"]
     try:
+        if isinstance(model_config, RWKV4Config):
+            return models.RWKV4LM(model_config)
         if kind == "classify":
             return models.TransformerClassifier(
                 model_config, num_classes=int(task_info["num_classes"]), pooling="mean"

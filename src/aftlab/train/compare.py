@@ -311,7 +311,7 @@ def _train_one(config: TrainConfig, run_dir: Path) -> dict[str, Any] | None:
     cmd += ["--outcome", str(record_path)]
     if (run_dir / "config.toml").is_file():
         cmd.append("--resume")
-    what = f"{config.mixer} (lr {config.lr:g}, seed {config.seed})"
+    what = f"{config.model_label} (lr {config.lr:g}, seed {config.seed})"
     print(f"aftlab compare: training {what} -> {run_dir}", file=sys.stderr, flush=True)
     status, stopped = _run_child(cmd)
     outcome, cause = outcome_of(status, read_outcome(record_path))
@@ -454,6 +454,31 @@ def _parse_mixers(mixers: list[str]) -> list[MixerSpec]:
     return specs
 
 
+def _entry_config(base: TrainConfig, spec: MixerSpec) -> TrainConfig:
+    """The config of one ``--mixers`` entry: ``base`` with its mixer and options. The option
+    ``architecture`` (``rwkv4:architecture=rwkv4``) trains that model instead of a
+    Transformer (``model.architecture``), with the ``[model]`` sizes the two share
+    (``d_model``, ``n_layers``, ``d_ff``, ``layer_norm_eps``) and its own defaults for the rest.
+    """
+    options = dict(spec.options)
+    arch = options.pop("architecture", base.architecture)
+    if arch == base.architecture:
+        return base.replace(mixer=spec.name, mixer_options=options, sample_tokens=0)
+    shared = ("d_model", "n_layers", "d_ff", "layer_norm_eps")
+    model = {k: v for k, v in base.model.items() if k in shared}
+    try:
+        return base.replace(
+            model={**model, "architecture": arch},
+            mixer=spec.name,
+            mixer_options=options,
+            sample_tokens=0,
+        )
+    except UsageError as e:
+        raise UsageError(
+            f"--mixers entry {spec.label!r}: {str(e).removeprefix('config: ')}"
+        ) from None
+
+
 def _plan(
     base: TrainConfig,
     mixers: list[str],
@@ -476,7 +501,7 @@ def _plan(
     if equal_params:
         target = count_parameters(base.replace(mixer="attention", mixer_options={}), task)
     for sp in specs:
-        cfg = base.replace(mixer=sp.name, mixer_options=sp.options, sample_tokens=0)
+        cfg = _entry_config(base, sp)
         if equal_params:
             cfg, _ = match_parameters(cfg, task, target)
         else:

@@ -45,7 +45,7 @@ from typing import Any
 
 from .._checks import did_you_mean
 from ..errors import READ_ERRORS, UsageError, reason
-from ..models.config import TransformerConfig
+from ..models.config import ARCHITECTURES, TransformerConfig, model_config_from_dict
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -70,10 +70,15 @@ __all__ = [
 _ON_TOP = {"max_seq_len": "seq_len", "mixer": "mixer", "mixer_options": "mixer_options"}
 #: TransformerConfig fields that only the task decides (``model_config_for``).
 _FROM_TASK = ("vocab_size", "causal")
-#: The keys of the ``[model]`` table: the other TransformerConfig fields.
-_MODEL_KEYS = tuple(
-    f.name for f in dataclasses.fields(TransformerConfig) if f.name not in (*_ON_TOP, *_FROM_TASK)
-)
+#: The keys of the ``[model]`` table by its ``architecture`` (the model config's other fields).
+_ARCH_KEYS = {
+    name: tuple(f.name for f in dataclasses.fields(cls) if f.name not in (*_ON_TOP, *_FROM_TASK))
+    for name, cls in ARCHITECTURES.items()
+}
+#: The keys a ``[model]`` table may hold (those of its architecture are checked once it is known).
+_MODEL_KEYS = ("architecture", *dict.fromkeys(k for keys in _ARCH_KEYS.values() for k in keys))
+#: The mixer of an architecture that has one time mix (``mixer`` is set to it when not given).
+_ARCH_MIXER = {"rwkv4": "rwkv4"}
 
 _PRECISIONS = ("fp32", "bf16")
 _PARALLEL = ("ddp", "fsdp")  # aftlab.train.distributed.PARALLEL
@@ -81,16 +86,20 @@ _LOGS = ("jsonl", "tensorboard")
 _FREE_TABLES = ("mixer_options", "task_options")  # tables whose keys are not checked here
 
 
-def default_model() -> dict[str, Any]:
-    """The default ``[model]`` table: small enough that ``aftlab train`` finishes in minutes on
-    2 CPU cores.
+def default_model(architecture: str = "transformer") -> dict[str, Any]:
+    """The default ``[model]`` table of ``architecture``: small enough that ``aftlab train``
+    finishes in minutes on 2 CPU cores.
 
-    ``d_model=128, n_layers=3, n_heads=4``; the other keys take :class:`TransformerConfig`'s
-    defaults. A config's ``[model]`` table refines it.
+    ``d_model=128, n_layers=3`` (and ``n_heads=4`` for the Transformer); the other keys take
+    the model config's defaults (:data:`~aftlab.models.config.ARCHITECTURES`), and an
+    architecture other than ``"transformer"`` is named by the ``architecture`` key. A config's
+    ``[model]`` table refines it.
     """
-    fields = dataclasses.fields(TransformerConfig)
-    defaults = {f.name: f.default for f in fields if f.name in _MODEL_KEYS}
-    return {**defaults, "d_model": 128, "n_layers": 3, "n_heads": 4}
+    fields = dataclasses.fields(ARCHITECTURES[architecture])
+    defaults = {f.name: f.default for f in fields if f.name in _ARCH_KEYS[architecture]}
+    if architecture == "transformer":  # written as it was before there were others
+        return {**defaults, "d_model": 128, "n_layers": 3, "n_heads": 4}
+    return {"architecture": architecture, **defaults, "d_model": 128, "n_layers": 3}
 
 
 @dataclass
@@ -199,7 +208,24 @@ class TrainConfig:
             problem = _key_problem(["model", key])
             if problem:
                 raise UsageError(f"config: {problem}")
-        self.model = {**default_model(), **self.model}
+        arch = self.model.get("architecture", "transformer")
+        if arch not in _ARCH_KEYS:
+            raise UsageError(
+                f"config: 'model.architecture' must be one of {sorted(_ARCH_KEYS)}, got {arch!r}"
+            )
+        stray = [k for k in self.model if k not in ("architecture", *_ARCH_KEYS[arch])]
+        if stray:
+            raise UsageError(
+                f"config: 'model.{stray[0]}' is not a setting of model.architecture = {arch!r}; "
+                f"its settings: {', '.join(_ARCH_KEYS[arch])}"
+            )
+        self.model = {**default_model(arch), **self.model}
+        if arch in _ARCH_MIXER and (self.mixer != _ARCH_MIXER[arch] or self.mixer_options):
+            raise UsageError(
+                f"config: model.architecture = {arch!r} has one time mix, mixer = "
+                f"{_ARCH_MIXER[arch]!r} with no mixer_options; got mixer = {self.mixer!r}"
+                + (f" with mixer_options {self.mixer_options}" if self.mixer_options else "")
+            )
         for name in (
             "seq_len",
             "batch_size",
@@ -254,14 +280,44 @@ class TrainConfig:
                 "state across windows, the other restarts it at every file); set one of them"
             )
         try:  # a valid model once the task adds its own (model_config_for builds the run's)
-            TransformerConfig(
-                max_seq_len=self.seq_len,
-                mixer=self.mixer,
-                mixer_options=self.mixer_options,
-                **self.model,
-            )
+            self.model_config()
         except (TypeError, ValueError) as e:
             raise UsageError(f"config: [model]: {e}") from None
+
+    @property
+    def architecture(self) -> str:
+        """The ``[model]`` table's ``architecture``: ``"transformer"`` unless it names another
+        (:data:`~aftlab.models.config.ARCHITECTURES`)."""
+        return self.model.get("architecture", "transformer")
+
+    @property
+    def model_label(self) -> str:
+        """What the run trains, for its messages: the mixer (``"aft-local"``), and the
+        architecture when it is not the Transformer (``"rwkv4 (model.architecture = rwkv4)"``).
+        """
+        arch = self.architecture
+        if arch == "transformer":
+            return self.mixer
+        return f"{self.mixer} (model.architecture = {arch})"
+
+    def model_config(self, **task: Any) -> Any:
+        """The model config of this run's settings and the task's ``task`` fields
+        (``vocab_size``, ``max_seq_len``, ``causal``, more ``mixer_options``; defaults when
+        not given):
+        a :class:`~aftlab.models.TransformerConfig`, or the config of ``model.architecture``.
+
+        Raises:
+            TypeError, ValueError: the settings make no valid model config.
+        """
+        fields = {**self.model, "max_seq_len": self.seq_len}
+        if self.architecture == "transformer":
+            options = {**self.mixer_options, **task.pop("mixer_options", {})}
+            return TransformerConfig(
+                **{**fields, **task, "mixer": self.mixer, "mixer_options": options}
+            )
+        task.pop("causal", None)  # every other architecture is a causal language model
+        task.pop("mixer_options", None)
+        return model_config_from_dict({**fields, **task})
 
     def _fail(self, name: str, expected: str) -> None:
         _fail(name, expected, getattr(self, name))
@@ -289,6 +345,9 @@ class TrainConfig:
             problem = _key_problem([key])
             if problem:
                 raise UsageError(f"config: {problem}")
+        arch = data.get("model", {}).get("architecture")
+        if arch in _ARCH_MIXER and "mixer" not in data:
+            data = {**data, "mixer": _ARCH_MIXER[arch]}
         return cls(**data)
 
     def replace(self, **changes: Any) -> TrainConfig:
@@ -301,8 +360,13 @@ class TrainConfig:
             problem = _key_problem([key])
             if problem:
                 raise UsageError(f"config: {problem}")
-        if isinstance(changes.get("model"), dict):
-            changes["model"] = {**self.model, **changes["model"]}
+        model = changes.get("model")
+        if isinstance(model, dict):
+            arch = model.get("architecture", self.architecture)
+            if arch == self.architecture:
+                changes["model"] = {**self.model, **model}
+            elif arch in _ARCH_MIXER and "mixer" not in changes:  # another architecture
+                changes.update(mixer=_ARCH_MIXER[arch], mixer_options={})
         return dataclasses.replace(self, **changes)
 
 

@@ -45,7 +45,8 @@ def wrap_model(model: nn.Module, *, parallel: str, device: torch.device) -> nn.M
     """The module that trains ``model`` across the process group (call with a group only).
 
     ``"ddp"``: a ``DistributedDataParallel`` wrapper (``model`` is unchanged). ``"fsdp"``:
-    ``fully_shard`` on every :class:`~aftlab.models.blocks.TransformerBlock`, then on the root;
+    ``fully_shard`` on every block (:class:`~aftlab.models.blocks.TransformerBlock`,
+    :class:`~aftlab.models.rwkv4.RWKV4Block`), then on the root;
     this shards ``model`` itself in place (its parameters become ``DTensor`` shards), and it is
     returned. Build the optimizer after this call.
     """
@@ -53,9 +54,10 @@ def wrap_model(model: nn.Module, *, parallel: str, device: torch.device) -> nn.M
         from torch.distributed.fsdp import fully_shard
 
         from ..models.blocks import TransformerBlock
+        from ..models.rwkv4 import RWKV4Block
 
         for module in list(model.modules()):
-            if isinstance(module, TransformerBlock):
+            if isinstance(module, (TransformerBlock, RWKV4Block)):
                 fully_shard(module)
         fully_shard(model)
         return model

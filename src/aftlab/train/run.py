@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..errors import UsageError
-from ..models.config import TransformerConfig
+from ..models.config import RWKV4Config, TransformerConfig, model_config_from_dict
 from .build import build_model, build_task
 from .checkpoint import latest_checkpoint, load_checkpoint, read_checkpoint_config
 from .config import TrainConfig, check_stored
@@ -27,7 +27,7 @@ class LoadedRun:
     """
 
     config: TrainConfig
-    model_config: TransformerConfig
+    model_config: TransformerConfig | RWKV4Config
     task: Any
     model: nn.Module
     checkpoint: Path
@@ -51,7 +51,9 @@ def check_run_dir(run_dir: str | Path) -> Path:
     return ckpt
 
 
-def read_run_config(ckpt: Path) -> tuple[TrainConfig, TransformerConfig, dict[str, Any]]:
+def read_run_config(
+    ckpt: Path,
+) -> tuple[TrainConfig, TransformerConfig | RWKV4Config, dict[str, Any]]:
     """The train config, model config and task info of a checkpoint's ``config.json``.
 
     The one check of a stored config, for evaluation and ``train --resume`` alike: the
@@ -69,7 +71,7 @@ def read_run_config(ckpt: Path) -> tuple[TrainConfig, TransformerConfig, dict[st
     check_stored(saved["train"], f"the config.json of checkpoint {str(ckpt)!r}")
     try:
         config = TrainConfig.from_dict(saved["train"])
-        model_config = TransformerConfig.from_dict(saved["model"])
+        model_config = model_config_from_dict(saved["model"])
     except (TypeError, ValueError) as e:
         raise UsageError(f"{unreadable} ({e})") from None
     return config, model_config, saved["task"]

@@ -65,13 +65,12 @@ def stream_refusal(model: nn.Module) -> str | None:
     limit = getattr(model, "length_limit", None)
     if limit is not None:
         return f"{limit.source} limits it to max_seq_len = {limit.max_seq_len} positions"
-    blocks = model.backbone.blocks
     cache = model.init_cache(1)
-    for block, state in zip(blocks, cache.states, strict=True):
+    for i, state in enumerate(cache.states):
         if _grows(state):
             return (
-                f"the state of {block.mixer.name!r} grows with every token (a cache of all past "
-                "keys and values)"
+                f"the state of {model.backbone.blocks[i].mixer.name!r} grows with every token "
+                "(a cache of all past keys and values)"
             )
     return None
 

@@ -346,7 +346,7 @@ class Trainer:
         np.random.seed(cfg.seed)
         random.seed(cfg.seed)
         self.model = build_model(self.model_config, self.task_info).to(self.device)
-        if self.device.type == "cpu" and self.model_config.mixer.startswith("aft"):
+        if self.device.type == "cpu" and cfg.mixer.startswith(("aft", "rwkv")):
             kernels.status()  # compile the CPU kernels (first use) now, not in a timed step
         state = load_checkpoint(ckpt, self.model, map_location=self.device) if ckpt else None
         # FSDP shards self.model in place (full weights first, so a resume may change N)
@@ -735,7 +735,7 @@ class Trainer:
         if self.step == 0 or not self.resume:
             n_params = sum(p.numel() for p in self.model.parameters())
             progress.write(
-                f"aftlab: training {cfg.mixer} on {cfg.task} ({n_params:,} parameters, "
+                f"aftlab: training {cfg.model_label} on {cfg.task} ({n_params:,} parameters, "
                 f"{self.dist.world_size} process(es)"
                 f"{' ' + cfg.parallel if self.dist.active else ''}, device {self.device}) -> "
                 f"{self.run_dir}"
