@@ -16,7 +16,9 @@ with one warning per process. ``status()`` says, per op, which implementation ru
 
 One module per C++ source, with its ops' callers (its ``__all__``, what the ops call), fakes
 and autograd: :mod:`.scan` (``csrc/scan.cpp``), :mod:`.band` (``band.cpp``), :mod:`.full`
-(``full.cpp``); :mod:`._common` what they share, :mod:`._build` the build and cache.
+(``full.cpp``), :mod:`.rwkv4` (``rwkv4.cpp``: RWKV-4's decoding step, which
+:class:`aftlab.models.RWKV4LM` runs); :mod:`._common` what they share, :mod:`._build` the build
+and cache.
 """
 
 from __future__ import annotations
@@ -31,9 +33,11 @@ from pathlib import Path
 import torch
 
 from .._system import env_off
-from . import _build, band, full, scan
+from . import _build, band, full, rwkv4, scan
 
-__all__ = ["use_kernels", "enabled", "load", "status", "OPS", "band", "full", "scan"]
+__all__ = [
+    "use_kernels", "enabled", "load", "status", "OPS", "band", "full", "rwkv4", "scan"
+]
 
 #: The public ops that have a kernel.
 OPS = ("aft_simple", "aft_decay", "aft_local", "aft_conv", "aft_full")
@@ -74,7 +78,7 @@ def load(*, verbose: bool = False) -> bool:
         if not _error:
             try:
                 _load_library(_build.build(verbose=verbose), verbose)
-                for module in (scan, band, full):
+                for module in (scan, band, full, rwkv4):
                     module.register()
             except Exception as e:  # a compiler error, a broken cache entry, ...
                 _error = f"the kernels failed to build or load ({_last_line(e)})"

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import kernels
 from .._checks import (
     check_floating_dtype,
     check_padding_mask,
@@ -153,12 +154,56 @@ class RWKV4Block(nn.Module):
     def _step(
         self, x: torch.Tensor, state: RWKV4State, scale: float = 1.0
     ) -> tuple[torch.Tensor, RWKV4State]:
-        """One token ``x: (B, d)``."""
+        """One token ``x: (B, d)``: the C++ kernel (:meth:`_step_kernel`) when it can run,
+        else these modules' own steps (its reference)."""
+        if self._kernel_runs(x, state):
+            return self._step_kernel(x, state, scale)
         u = self.ln1(x)
         y, att = self.att._step(u, state.att)
         h = x + _scaled(y, scale)
         u = self.ln2(h)
         return h + _scaled(self.ffn(u, state.ffn), scale), RWKV4State(att, u)
+
+    def _kernel_runs(self, x: torch.Tensor, state: RWKV4State) -> bool:
+        """Whether :meth:`_step_kernel` computes this step: no gradient is taken, no dropout
+        or autocast applies, no projection has a bias, both LayerNorms share one epsilon, and
+        the kernels run on ``x``."""
+        linears = (self.att.to_q, self.att.to_k, self.att.to_v, self.att.proj, self.ffn.key,
+                  self.ffn.receptance, self.ffn.value)
+        sums = state.att.inner
+        tensors = (x, state.att.last, state.ffn, sums.a, sums.b, sums.p, *self.parameters())
+        return (
+            not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+            and not (self.training and self.att.drop.p > 0)
+            and not torch.is_autocast_enabled("cpu")
+            and all(lin.bias is None for lin in linears)
+            and self.ln1.eps == self.ln2.eps
+            and state.att.last.dtype == x.dtype == state.ffn.dtype
+            and kernels.enabled(x)
+        )
+
+    def _step_kernel(
+        self, x: torch.Tensor, state: RWKV4State, scale: float
+    ) -> tuple[torch.Tensor, RWKV4State]:
+        """:meth:`_step` as one call of ``aftlab::rwkv4_step`` (:mod:`aftlab.kernels.rwkv4`):
+        the same formulas, the elementwise work fused between ATen's matrix products."""
+        sums = state.att.inner
+        out, last_att, a, b, p, last_ffn = kernels.rwkv4.rwkv4_step(
+            x, [state.att.last, sums.a, sums.b, sums.p, state.ffn], self._kernel_weights(),
+            eps=self.ln1.eps, scale=scale,
+        )
+        inner = RunningSums(a, b, p, position=sums.position + 1)
+        return out, RWKV4State(ShiftedState(last_att, inner), last_ffn)
+
+    def _kernel_weights(self) -> list[torch.Tensor]:
+        """The parameters in the order of :data:`aftlab.kernels.rwkv4.WEIGHTS`."""
+        att, ffn = self.att, self.ffn
+        return [
+            self.ln1.weight, self.ln1.bias, att.mix_q, att.mix_k, att.mix_v, att.to_q.weight,
+            att.to_k.weight, att.to_v.weight, att.proj.weight, att.time_decay, att.time_bonus,
+            self.ln2.weight, self.ln2.bias, ffn.mix_k, ffn.mix_r, ffn.key.weight,
+            ffn.receptance.weight, ffn.value.weight,
+        ]
 
     def init_state(self, batch_size: int, device, dtype) -> RWKV4State:
         att = self.att.init_state(batch_size, device=device, dtype=dtype)

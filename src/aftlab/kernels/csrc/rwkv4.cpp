@@ -1,0 +1,167 @@
+// One RWKV-4 block's decoding step in one call (aftlab.models.rwkv4.RWKV4Block._step):
+//
+//   u  = LN_1(x);   x_m = lerp(last_att, u, mu_m) for m = r, k, v
+//   r, k, v = W_r x_r, W_k x_k, W_v x_v
+//   o = max(p, u_b + k),  wkv = (e^{p-o} a + e^{u_b+k-o} v) / (e^{p-o} b + e^{u_b+k-o})
+//   p' = max(p - lambda, k),  a' = e^{p-lambda-p'} a + e^{k-p'} v,  b' = e^{p-lambda-p'} b + e^{k-p'}
+//   h  = x + s W_o (sigma(r) wkv)
+//   u2 = LN_2(h);   c_m = lerp(last_ffn, u2, nu_m) for m = k, r
+//   out = h + s sigma(W'_r c_r) * W'_v relu(W'_k c_k)^2
+//
+// with lambda = exp(min(time_decay, 30)) and u_b = time_bonus. The matrix products and layer
+// norms are ATen's (for one token they read each weight once: the step is bound by that); the
+// elementwise work between them is fused into four loops, in the inputs' dtype where the
+// Python step rounds to it and in float32 (float64 for float64 inputs) for the WKV, whose state
+// (a, b, p) is kept in that dtype. The Python step is the reference (tests/kernels).
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "common.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace aftlab {
+namespace {
+
+constexpr int64_t GRAIN = 1 << 14;  // elements per task: one token's vectors run serially
+
+// torch.lerp's formula (ATen's lerp kernel), so that the mixes round as the Python step's do.
+template <typename A>
+inline A lerp(A start, A end, A w) {
+  const A diff = end - start;
+  return std::abs(w) < A(0.5) ? start + w * diff : end - diff * (A(1) - w);
+}
+
+// out_m = lerp(last, u, mu_m) for each of the n mixes, (B, D) each, mu_m (D).
+template <typename T>
+void mixes(const T* u, const T* last, const std::vector<const T*>& mu, const std::vector<T*>& out,
+           int64_t B, int64_t D) {
+  using A = at::opmath_type<T>;
+  at::parallel_for(0, B * D, GRAIN, [&](int64_t i0, int64_t i1) {
+    for (size_t m = 0; m < mu.size(); ++m) {
+      for (int64_t i = i0; i < i1; ++i) {
+        out[m][i] = T(lerp<A>(A(last[i]), A(u[i]), A(mu[m][i % D])));
+      }
+    }
+  });
+}
+
+// The WKV of one token and its state update, in the state's dtype S; y = sigma(r) wkv in T.
+template <typename T, typename S>
+void wkv_step(const T* r, const T* k, const T* v, const S* lam, const S* bonus, const S* a,
+              const S* b, const S* p, T* y, S* a1, S* b1, S* p1, int64_t B, int64_t D) {
+  at::parallel_for(0, B * D, GRAIN, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t c = i % D;
+      const S kk = S(k[i]), vv = S(v[i]), uk = bonus[c] + kk;
+      const S o = std::max(p[i], uk);
+      const S e1 = exp_nonpos(p[i] - o), e2 = exp_nonpos(uk - o);
+      const S wkv = (e1 * a[i] + e2 * vv) / (e1 * b[i] + e2);
+      y[i] = T(sigmoid(S(r[i])) * wkv);
+      const S carried = p[i] - lam[c];
+      const S pn = std::max(carried, kk);
+      const S eo = exp_nonpos(carried - pn), en = exp_nonpos(kk - pn);
+      a1[i] = eo * a[i] + en * vv;
+      b1[i] = eo * b[i] + en;
+      p1[i] = pn;
+    }
+  });
+}
+
+// k <- relu(k)^2 in place (the Python step: relu, then k * k, each rounded to T).
+template <typename T>
+void relu_square(T* k, int64_t n) {
+  using A = at::opmath_type<T>;
+  at::parallel_for(0, n, GRAIN, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const T z = k[i] > T(0) ? k[i] : T(0);
+      k[i] = T(A(z) * A(z));
+    }
+  });
+}
+
+// out = h + s (sigma(r) * v), each product rounded to T as in the Python step (s = 2^-j: exact).
+template <typename T>
+void gated_residual(const T* h, const T* r, const T* v, T* out, double s, int64_t n) {
+  using A = at::opmath_type<T>;
+  at::parallel_for(0, n, GRAIN, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const T g = T(sigmoid(A(r[i])));
+      const T gv = T(A(g) * A(v[i]));
+      const T scaled = s == 1.0 ? gv : T(A(gv) * A(s));
+      out[i] = T(A(h[i]) + A(scaled));
+    }
+  });
+}
+
+void check(bool ok, const char* what) { TORCH_CHECK(ok, "aftlab::rwkv4_step: ", what); }
+
+// state: [last_att, a, b, p, last_ffn]; weights: [ln1_w, ln1_b, mix_r, mix_k, mix_v, W_r, W_k,
+// W_v, W_o, time_decay, time_bonus, ln2_w, ln2_b, ffn_mix_k, ffn_mix_r, W'_k, W'_r, W'_v].
+// Returns [out, u (the next last_att), a', b', p', u2 (the next last_ffn)].
+std::vector<at::Tensor> rwkv4_step(const at::Tensor& x_in, at::TensorList state,
+                                   at::TensorList w, double eps, double scale) {
+  check(state.size() == 5 && w.size() == 18, "expects 5 state tensors and 18 weights");
+  check(x_in.dim() == 2, "x must be (B, d)");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t B = x.size(0), D = x.size(1);
+  const auto st = at::toOpMathType(x.scalar_type());  // the WKV state's dtype
+  for (const auto& t : state) check(t.dim() == 2 && t.size(0) == B && t.size(1) == D, "state shape");
+  check(state[0].scalar_type() == x.scalar_type() && state[4].scalar_type() == x.scalar_type(),
+        "the token-shift states must have x's dtype");
+  for (int i = 1; i < 4; ++i) check(state[i].scalar_type() == st, "a, b, p must be float32 (float64)");
+  for (const auto& t : w) check(t.scalar_type() == x.scalar_type() || t.dim() == 1, "weight dtype");
+
+  const at::Tensor last_att = state[0].contiguous(), last_ffn = state[4].contiguous();
+  const at::Tensor a = state[1].contiguous(), b = state[2].contiguous(), p = state[3].contiguous();
+  const at::Tensor lam = at::exp(w[9].clamp_max(30.0)).to(st).contiguous();
+  const at::Tensor bonus = w[10].to(st).contiguous();
+  auto vec = [&](const at::Tensor& t) { return t.to(x.scalar_type()).contiguous(); };
+  const at::Tensor mr = vec(w[2]), mk = vec(w[3]), mv = vec(w[4]), fk = vec(w[13]), fr = vec(w[14]);
+
+  const at::Tensor u = at::layer_norm(x, {D}, w[0], w[1], eps);
+  at::Tensor xr = at::empty_like(u), xk = at::empty_like(u), xv = at::empty_like(u);
+  at::Tensor a1 = at::empty_like(a), b1 = at::empty_like(b), p1 = at::empty_like(p);
+  at::Tensor y = at::empty_like(u), h, u2, cr = at::empty_like(u), ck = at::empty_like(u), out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rwkv4_step", [&] {
+    using S = at::opmath_type<scalar_t>;
+    mixes<scalar_t>(u.data_ptr<scalar_t>(), last_att.data_ptr<scalar_t>(),
+                    {mr.data_ptr<scalar_t>(), mk.data_ptr<scalar_t>(), mv.data_ptr<scalar_t>()},
+                    {xr.data_ptr<scalar_t>(), xk.data_ptr<scalar_t>(), xv.data_ptr<scalar_t>()}, B, D);
+    const at::Tensor r = at::linear(xr, w[5]), k = at::linear(xk, w[6]), v = at::linear(xv, w[7]);
+    wkv_step<scalar_t, S>(r.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
+                          lam.data_ptr<S>(), bonus.data_ptr<S>(), a.data_ptr<S>(), b.data_ptr<S>(),
+                          p.data_ptr<S>(), y.data_ptr<scalar_t>(), a1.data_ptr<S>(),
+                          b1.data_ptr<S>(), p1.data_ptr<S>(), B, D);
+    at::Tensor att = at::linear(y, w[8]);
+    h = scale == 1.0 ? x + att : x + att * scale;
+    u2 = at::layer_norm(h, {D}, w[11], w[12], eps);
+    mixes<scalar_t>(u2.data_ptr<scalar_t>(), last_ffn.data_ptr<scalar_t>(),
+                    {fk.data_ptr<scalar_t>(), fr.data_ptr<scalar_t>()},
+                    {ck.data_ptr<scalar_t>(), cr.data_ptr<scalar_t>()}, B, D);
+    at::Tensor kf = at::linear(ck, w[15]);
+    relu_square<scalar_t>(kf.data_ptr<scalar_t>(), kf.numel());
+    const at::Tensor rf = at::linear(cr, w[16]), vf = at::linear(kf, w[17]);
+    out = at::empty_like(h);
+    gated_residual<scalar_t>(h.data_ptr<scalar_t>(), rf.data_ptr<scalar_t>(),
+                             vf.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), scale, B * D);
+  });
+  return {out, u, a1, b1, p1, u2};
+}
+
+}  // namespace
+}  // namespace aftlab
+
+TORCH_LIBRARY_FRAGMENT(aftlab, m) {
+  m.def("rwkv4_step(Tensor x, Tensor[] state, Tensor[] weights, float eps, float scale)"
+        " -> Tensor[]");
+}
+
+TORCH_LIBRARY_IMPL(aftlab, CPU, m) { m.impl("rwkv4_step", &aftlab::rwkv4_step); }

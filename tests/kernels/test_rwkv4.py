@@ -1,0 +1,192 @@
+"""The RWKV-4 decoding-step kernel (``aftlab::rwkv4_step``, ``csrc/rwkv4.cpp``) against its
+reference, the Python step of :class:`aftlab.models.rwkv4.RWKV4Block` (kernels off): logits,
+every state tensor and the position, over several steps after a prefill, at odd sizes, with
+``B > 1`` and ``rescale_every``; when it runs and when it steps aside; its fake.
+
+The Python step itself is tested against the float64 per-position reference and Hugging Face's
+model in tests/models/test_rwkv4.py.
+"""
+
+import pytest
+import torch
+
+from aftlab import kernels
+from aftlab.models import RWKV4LM
+from aftlab.testing import assert_close
+
+from ..models.rwkv4_helpers import V, assert_float32_close, random_lm, scale
+from .test_kernels import needs_kernels
+
+pytestmark = needs_kernels
+
+
+def _decode(lm: RWKV4LM, ids: torch.Tensor, n_prompt: int, *, on: bool):
+    """Prefill ``ids[:, :n_prompt]``, then step through the rest: ``(logits (steps, B, V),
+    cache)``, with the kernels ``on`` or off."""
+    with kernels.use_kernels(on), torch.no_grad():
+        _, cache = lm.prefill(ids[:, :n_prompt])
+        logits = [lm.step(ids[:, t], cache) for t in range(n_prompt, ids.shape[1])]
+    return torch.stack(logits), cache
+
+
+def _state_tensors(cache) -> dict[str, torch.Tensor]:
+    out = {}
+    for i, s in enumerate(cache.states):
+        sums = s.att.inner
+        out |= {f"{i}.last_att": s.att.last, f"{i}.a": sums.a, f"{i}.b": sums.b,
+                f"{i}.p": sums.p, f"{i}.last_ffn": s.ffn}  # fmt: skip
+    return out
+
+
+def _counting(monkeypatch) -> list[int]:
+    """Count the kernel's calls (the model looks it up at each call)."""
+    calls = [0]
+    real = kernels.rwkv4.rwkv4_step
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels.rwkv4, "rwkv4_step", counted)
+    return calls
+
+
+def _model(dtype, **config):
+    # 7 layers, rescale_every 3: branches at scales 1, 1/2, 1/4 and two halvings between
+    return random_lm(7, seed=3, rescale_every=3, **config).to(dtype)
+
+
+def _compare(dtype, check, monkeypatch, B=3):
+    lm = _model(dtype)
+    ids = torch.randint(0, V, (B, 9), generator=torch.Generator().manual_seed(1))
+    calls = _counting(monkeypatch)
+    ref, ref_cache = _decode(lm, ids, 4, on=False)
+    assert calls[0] == 0
+    got, cache = _decode(lm, ids, 4, on=True)
+    assert calls[0] == 5 * 7  # every block of every step ran the kernel
+    check("logits", got, ref)
+    assert cache.position == ref_cache.position == 9
+    ref_states = _state_tensors(ref_cache)
+    for name, t in _state_tensors(cache).items():
+        assert t.dtype == ref_states[name].dtype, name
+        check(name, t, ref_states[name])
+    for s, r in zip(cache.states, ref_cache.states, strict=True):
+        assert s.att.inner.position == r.att.inner.position == 9
+
+
+def test_float64_equals_the_python_step(monkeypatch):
+    # float64 throughout: the two differ by summation order only (measured 6e-15 of logits <= 5)
+    def check(name, a, b):
+        assert_close(name, a, b, rtol=1e-12, atol=1e-12 * max(scale(b), 1.0))
+
+    _compare(torch.float64, check, monkeypatch)
+
+
+def test_float32_equals_the_python_step(monkeypatch):
+    def check(name, a, b):
+        if name.endswith(".p"):  # running maxima of keys: no rounding beyond the keys'
+            assert_close(name, a, b, rtol=1e-5, atol=1e-5 * max(scale(b), 1.0))
+        else:
+            assert_float32_close(name, a, b)
+
+    _compare(torch.float32, check, monkeypatch)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_equals_the_python_step(dtype, monkeypatch):
+    # Both round every elementwise result to the dtype as torch's ops do and run the same ATen
+    # products; the kernel's exp and sigmoid (float32, common.h) differ from torch's in the last
+    # float32 bits, which can flip one rounding of the dtype (eps 2^-8 bfloat16, 2^-11 float16)
+    # and carry it through 7 blocks: 4 eps of the magnitude leave room. The WKV sums are float32.
+    eps = torch.finfo(dtype).eps
+
+    def check(name, a, b):
+        assert_close(name, a.float(), b.float(), rtol=4 * eps, atol=4 * eps * max(scale(b), 1.0))
+
+    _compare(dtype, check, monkeypatch)
+
+
+def test_batch_of_one_and_a_step_from_the_empty_cache(monkeypatch):
+    lm = _model(torch.float64)
+    calls = _counting(monkeypatch)
+    ids = torch.randint(0, V, (1, 3), generator=torch.Generator().manual_seed(2))
+    outs = []
+    for on in (False, True):
+        with kernels.use_kernels(on), torch.no_grad():
+            cache = lm.init_cache(1)
+            outs.append(torch.stack([lm.step(ids[:, t], cache) for t in range(3)]))
+    assert calls[0] == 3 * 7
+    assert_close("logits", outs[1], outs[0], rtol=1e-12, atol=1e-12 * scale(outs[0]))
+    with torch.no_grad():
+        full = lm(ids)[0]
+    assert_close("vs forward", outs[1][:, 0], full, rtol=1e-10, atol=1e-10 * scale(full))
+
+
+def test_steps_aside_when_a_gradient_is_taken(monkeypatch):
+    lm = _model(torch.float64)
+    calls = _counting(monkeypatch)
+    ids = torch.randint(0, V, (2, 3))
+    cache = lm.init_cache(2)
+    with kernels.use_kernels(True):
+        for t in range(2):  # parameters require grad: the Python step
+            lm.step(ids[:, t], cache)
+        logits = lm.step(ids[:, 2], cache)
+    assert calls[0] == 0 and logits.requires_grad
+    logits.sum().backward()
+    # the decay reaches an output from the third token on, through the state
+    assert lm.blocks[0].att.time_decay.grad.abs().sum() > 0
+    # frozen parameters but an input that requires grad: still the Python step
+    lm.requires_grad_(False)
+    block = lm.blocks[0]
+    x = torch.randn(2, lm.config.d_model, dtype=torch.float64, requires_grad=True)
+    with kernels.use_kernels(True):
+        y, _ = block._step(x, block.init_state(2, "cpu", torch.float64))
+    assert calls[0] == 0 and y.requires_grad
+    with kernels.use_kernels(True), torch.no_grad():
+        block._step(x, block.init_state(2, "cpu", torch.float64))
+    assert calls[0] == 1
+
+
+def test_steps_aside_under_autocast_and_with_another_state_dtype(monkeypatch):
+    lm = _model(torch.float32)
+    calls = _counting(monkeypatch)
+    block = lm.blocks[0]
+    x = torch.randn(2, lm.config.d_model)
+    with kernels.use_kernels(True), torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            block._step(x, block.init_state(2, "cpu", torch.float32))
+        block._step(x, block.init_state(2, "cpu", torch.float64))
+    assert calls[0] == 0
+
+
+def test_the_fake_gives_the_shapes_and_dtypes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    lm = _model(torch.bfloat16)
+    block = lm.blocks[0]
+    x = torch.randn(2, lm.config.d_model, dtype=torch.bfloat16)
+    st = block.init_state(2, "cpu", torch.bfloat16)
+    state = [st.att.last, st.att.inner.a, st.att.inner.b, st.att.inner.p, st.ffn]
+    with torch.no_grad():
+        weights = [t.detach() for t in block._kernel_weights()]
+        real = kernels.rwkv4.rwkv4_step(x, state, weights, eps=block.ln1.eps)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            fake = kernels.rwkv4.rwkv4_step(x, state, weights, eps=block.ln1.eps)
+    assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in real]
+    assert [t.dtype for t in real] == [torch.bfloat16] * 2 + [torch.float32] * 3 + [torch.bfloat16]
+
+
+def test_bad_arguments_are_refused_by_name():
+    block = _model(torch.float32).blocks[0]
+    x = torch.randn(2, block.ln1.normalized_shape[0])
+    st = block.init_state(2, "cpu", torch.float32)
+    state = [st.att.last, st.att.inner.a, st.att.inner.b, st.att.inner.p, st.ffn]
+    weights = [t.detach() for t in block._kernel_weights()]
+    with pytest.raises(RuntimeError, match="rwkv4_step: expects 5 state tensors"):
+        kernels.rwkv4.rwkv4_step(x, state[:4], weights, eps=1e-5)
+    with pytest.raises(RuntimeError, match="rwkv4_step: state shape"):
+        kernels.rwkv4.rwkv4_step(x[:1], state, weights, eps=1e-5)
+    with pytest.raises(RuntimeError, match="rwkv4_step: a, b, p must be float32"):
+        kernels.rwkv4.rwkv4_step(x, [state[0], *(s.double() for s in state[1:4]), state[4]],
+                                 weights, eps=1e-5)
+
