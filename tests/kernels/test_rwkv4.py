@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from aftlab import kernels
-from aftlab.models import RWKV4LM
+from aftlab.models import RWKV4LM, RWKV4Config
 from aftlab.testing import assert_close
 
-from ..models.rwkv4_helpers import V, assert_float32_close, random_lm, scale
+from ..models.rwkv4_helpers import V, assert_float32_close, random_lm, randomise_, scale
 from .test_kernels import needs_kernels
 
 pytestmark = needs_kernels
@@ -51,13 +51,18 @@ def _counting(monkeypatch) -> list[int]:
     return calls
 
 
-def _model(dtype, **config):
-    # 7 layers, rescale_every 3: branches at scales 1, 1/2, 1/4 and two halvings between
-    return random_lm(7, seed=3, rescale_every=3, **config).to(dtype)
+def _model(dtype, wide: bool = False):
+    """7 layers, rescale_every 3: branches at scales 1, 1/2, 1/4 and two halvings between.
+    Widths 32 and 37 (helpers), or ``wide``: 45 and 83, so that the reduced-precision products'
+    rows (``step_linear``) end in blocks of 32, of 8 and single elements."""
+    if not wide:
+        return random_lm(7, seed=3, rescale_every=3).to(dtype)
+    cfg = RWKV4Config(vocab_size=V, d_model=45, n_layers=7, d_ff=83, rescale_every=3)
+    return randomise_(RWKV4LM(cfg), 3).eval().to(dtype)
 
 
-def _compare(dtype, check, monkeypatch, B=3):
-    lm = _model(dtype)
+def _compare(dtype, check, monkeypatch, B=3, wide=False):
+    lm = _model(dtype, wide)
     ids = torch.randint(0, V, (B, 9), generator=torch.Generator().manual_seed(1))
     calls = _counting(monkeypatch)
     ref, ref_cache = _decode(lm, ids, 4, on=False)
@@ -92,18 +97,20 @@ def test_float32_equals_the_python_step(monkeypatch):
     _compare(torch.float32, check, monkeypatch)
 
 
+@pytest.mark.parametrize("B, wide", [(3, False), (2, True), (17, False)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_equals_the_python_step(dtype, monkeypatch):
-    # Both round every elementwise result to the dtype as torch's ops do and run the same ATen
-    # products; the kernel's exp and sigmoid (float32, common.h) differ from torch's in the last
-    # float32 bits, which can flip one rounding of the dtype (eps 2^-8 bfloat16, 2^-11 float16)
-    # and carry it through 7 blocks: 4 eps of the magnitude leave room. The WKV sums are float32.
+def test_half_precision_equals_the_python_step(dtype, B, wide, monkeypatch):
+    # Both round every elementwise result and every product to the dtype as torch's ops do, from
+    # float32. The kernel's products (B <= 16: step_linear; B = 17: ATen's, as the Python step)
+    # sum in another order, and its exp and sigmoid (common.h) differ from torch's in the last
+    # float32 bits: either can flip one rounding of the dtype (eps 2^-7 bfloat16, 2^-10 float16)
+    # and carry it through 7 blocks; 4 eps of the magnitude leave room. The WKV sums are float32.
     eps = torch.finfo(dtype).eps
 
     def check(name, a, b):
         assert_close(name, a.float(), b.float(), rtol=4 * eps, atol=4 * eps * max(scale(b), 1.0))
 
-    _compare(dtype, check, monkeypatch)
+    _compare(dtype, check, monkeypatch, B=B, wide=wide)
 
 
 def test_batch_of_one_and_a_step_from_the_empty_cache(monkeypatch):
@@ -190,3 +197,33 @@ def test_bad_arguments_are_refused_by_name():
         kernels.rwkv4.rwkv4_step(x, [state[0], *(s.double() for s in state[1:4]), state[4]],
                                  weights, eps=1e-5)
 
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("B, K", [(1, 5), (1, 768), (3, 37), (2, 45), (16, 83), (17, 40)])
+def test_linear_of_a_few_rows_against_float64(dtype, B, K):
+    # rows of W end in blocks of 32, of 8 and single elements; B = 17 (and float32) is ATen's.
+    # Each output is the float32 sum rounded once to the dtype: within half an ulp of the exact
+    # product (eps |y|) plus the float32 accumulation's K u sum |w x| (u = 2^-24).
+    g = torch.Generator().manual_seed(K)
+    x = torch.randn(B, K, generator=g).to(dtype)
+    W = torch.randn(53, K, generator=g).to(dtype)
+    y = kernels.rwkv4.rwkv4_linear(x, W)
+    assert y.shape == (B, 53) and y.dtype == dtype
+    exact = x.double() @ W.double().T
+    magnitude = x.double().abs() @ W.double().abs().T
+    bound = torch.finfo(dtype).eps * exact.abs() + K * 2**-24 * magnitude
+    assert ((y.double() - exact).abs() <= bound).all()
+
+
+def test_linear_fake_and_bad_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x, W = torch.randn(2, 9, dtype=torch.bfloat16), torch.randn(7, 9, dtype=torch.bfloat16)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = kernels.rwkv4.rwkv4_linear(x, W)
+    assert fake.shape == (2, 7) and fake.dtype == torch.bfloat16
+    with pytest.raises(RuntimeError, match="rwkv4_linear: x must be"):
+        kernels.rwkv4.rwkv4_linear(x[0], W)
+    with pytest.raises(RuntimeError, match="rwkv4: weight shape"):
+        kernels.rwkv4.rwkv4_linear(x, W[:, :8])

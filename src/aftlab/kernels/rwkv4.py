@@ -1,5 +1,6 @@
-"""Caller of the RWKV-4 decoding-step kernel (``csrc/rwkv4.cpp``): ``aftlab::rwkv4_step``,
-one block's step in one call, with its fake.
+"""Callers of the RWKV-4 decoding-step kernels (``csrc/rwkv4.cpp``), with their fakes:
+``aftlab::rwkv4_step``, one block's step in one call, and ``aftlab::rwkv4_linear``, the
+product of a few rows that it uses (for the head).
 
 Inference only (no autograd: the caller runs it when no gradient is taken). The library must be
 loaded (:func:`aftlab.kernels.load`); the caller passes tensors of the shapes and dtypes below.
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["rwkv4_step", "STATE", "WEIGHTS"]
+__all__ = ["rwkv4_step", "rwkv4_linear", "STATE", "WEIGHTS"]
 
 #: The state tensors, ``(B, d)`` each (``a, b, p`` float32, or float64 for float64 inputs).
 STATE = ("last_att", "a", "b", "p", "last_ffn")
@@ -29,6 +30,10 @@ def register() -> None:
         like = x.new_empty(x.shape)
         sums = [s.new_empty(s.shape) for s in state[1:4]]
         return [like, x.new_empty(x.shape), *sums, x.new_empty(x.shape)]
+
+    @torch.library.register_fake("aftlab::rwkv4_linear")
+    def _(x, weight):
+        return x.new_empty(x.shape[0], weight.shape[0])
 
 
 def rwkv4_step(
@@ -51,3 +56,13 @@ def rwkv4_step(
         ``[out (B, d), last_att, a, b, p, last_ffn]``: the block's output and the state after.
     """
     return torch.ops.aftlab.rwkv4_step(x, state, weights, eps, scale)
+
+
+def rwkv4_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x W^T`` for ``x: (B, d)``, ``weight: (n, d)``: ``(B, n)``, without gradient.
+
+    For bfloat16 and float16 with ``B <= 16`` each row of ``W`` is read once, with float32
+    accumulation and one rounding per output (ATen's product of a few such rows runs at half
+    the memory bandwidth on some CPUs); otherwise ``torch.nn.functional.linear``.
+    """
+    return torch.ops.aftlab.rwkv4_linear(x, weight)

@@ -171,15 +171,14 @@ class RWKV4Block(nn.Module):
         linears = (self.att.to_q, self.att.to_k, self.att.to_v, self.att.proj, self.ffn.key,
                   self.ffn.receptance, self.ffn.value)
         sums = state.att.inner
-        tensors = (x, state.att.last, state.ffn, sums.a, sums.b, sums.p, *self.parameters())
         return (
-            not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-            and not (self.training and self.att.drop.p > 0)
-            and not torch.is_autocast_enabled("cpu")
+            not (self.training and self.att.drop.p > 0)
             and all(lin.bias is None for lin in linears)
             and self.ln1.eps == self.ln2.eps
             and state.att.last.dtype == x.dtype == state.ffn.dtype
-            and kernels.enabled(x)
+            and _inference_kernel_runs(
+                x, state.att.last, state.ffn, sums.a, sums.b, sums.p, *self.parameters()
+            )
         )
 
     def _step_kernel(
@@ -219,6 +218,16 @@ class RWKV4Block(nn.Module):
         self.att.check_state(state.att, x, name=f"{name}.att")
         check_tensor("RWKV4LM", f"{name}.ffn", state.ffn, shape=(x.shape[0], self.att.d_model),
                      floating=True)
+
+
+def _inference_kernel_runs(x: torch.Tensor, *tensors: torch.Tensor) -> bool:
+    """Whether a kernel without autograd may compute from ``x`` and ``tensors``: none requires
+    grad under grad mode, no CPU autocast applies, and the kernels run on ``x``."""
+    return (
+        not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *tensors)))
+        and not torch.is_autocast_enabled("cpu")
+        and kernels.enabled(x)
+    )
 
 
 def _scaled(y: torch.Tensor, scale: float) -> torch.Tensor:
@@ -435,7 +444,10 @@ class RWKV4LM(nn.Module):
             if halve:
                 h = h / 2
         cache.position += 1
-        return self.head(self.ln_out(h))
+        h, w = self.ln_out(h), self.head.weight
+        if self.head.bias is None and w.dtype == h.dtype and _inference_kernel_runs(h, w):
+            return kernels.rwkv4.rwkv4_linear(h, w)  # a few rows: faster in bfloat16/float16
+        return self.head(h)
 
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, **sampling) -> torch.Tensor:
         """:func:`aftlab.models.generation.generate` of this model (``temperature``,
