@@ -61,8 +61,9 @@ def rwkv4_step(
 def rwkv4_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x W^T`` for ``x: (B, d)``, ``weight: (n, d)``: ``(B, n)``, without gradient.
 
-    For bfloat16 and float16 with ``B <= 16`` each row of ``W`` is read once, with float32
-    accumulation and one rounding per output (ATen's product of a few such rows runs at half
-    the memory bandwidth on some CPUs); otherwise ``torch.nn.functional.linear``.
+    For float32, bfloat16 and float16 with ``B <= 16`` the kernel reads ``W`` once, 8 rows at a
+    time, with float32 accumulation and one rounding per output (ATen's product of a few rows
+    runs below the memory bandwidth on some CPUs: in bfloat16 at half of it); otherwise
+    ``torch.nn.functional.linear``.
     """
     return torch.ops.aftlab.rwkv4_linear(x, weight)
