@@ -517,21 +517,24 @@ def decode_row(s: Shape, peers: dict[str, Any], plan: Plan, steps: int, bw: floa
 
 # --------------------------------------------------------------------------- long prompts
 def long_child(peer: str, shape: str, tokens: int, chunk: int, threads: int, folder: str):
-    """In a fresh process: load ``peer`` from ``folder`` (``hf.safetensors``, ``blinkdl.pth``),
+    """In a fresh process: load ``peer`` from ``folder`` (a Hugging Face folder: ``config.json``
+    and ``model.safetensors``; ChatRWKV ``blinkdl.pth``; aftlab ``RWKV4LM.from_pretrained``, as
+    a user loads it),
     prefill ``tokens`` ids in chunks of ``chunk``; print JSON (RSS after loading, peaks,
     seconds) and save the last logits to ``folder/<peer>.logits.pt``."""
     torch.set_num_threads(threads)
     s, root = SHAPES[shape], Path(folder)
     if peer == "ChatRWKV":
         model: Any = ChatRWKVPeer(root / "blinkdl.pth")
+    elif peer == "aftlab":
+        from aftlab.models.rwkv4 import RWKV4LM
+
+        model = AftlabPeer(RWKV4LM.from_pretrained(root).eval())
     else:
         from transformers import RwkvConfig
 
         config = RwkvConfig.from_json_file(root / "config.json")
-        hf = hf_from_state(config, load_file(root / "hf.safetensors"))
-        model = HFPeer(hf.eval()) if peer == "transformers" else AftlabPeer(aftlab_model(hf).eval())
-        if peer != "transformers":
-            del hf
+        model = HFPeer(hf_from_state(config, load_file(root / "model.safetensors")).eval())
     gc.collect()
     load_peak = peak_rss_bytes()
     loaded = memory_baseline(torch.device("cpu"), reset=True)  # clears the peak (None: cannot)
@@ -551,7 +554,7 @@ def long_rows(s: Shape, names: list[str], hf, plan: Plan, threads: int, rate: fl
               folder: Path) -> list[dict]:
     """Chunked prefill of ``plan.long`` tokens, one fresh process per peer."""
     hf.config.to_json_file(folder / "config.json")
-    save_file(hf_weights(hf), folder / "hf.safetensors")
+    save_file(hf_weights(hf), folder / "model.safetensors", metadata={"format": "pt"})
     if "ChatRWKV" in names and not (folder / "blinkdl.pth").exists():
         save_blinkdl(hf, folder)
     out, logits = {}, {}
