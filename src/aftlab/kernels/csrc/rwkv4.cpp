@@ -189,12 +189,16 @@ void few_rows(const at::Tensor& xf, const at::Tensor& W, at::Tensor& y) {
 // are bound by that. ATen's bfloat16/float16 product of a few rows runs well below the
 // bandwidth on some CPUs (the Xeon: half of its float32's), and its float32 one a little
 // below, so for B <= 16 these read W, 8 rows at a time, themselves (`dots`), with
-// float32 accumulation and one rounding to T per output, as ATen's; float64, or a larger B,
-// stay on ATen (MKL).
+// float32 accumulation and one rounding to T per output, as ATen's; float64, a larger B, or
+// a build without AVX2, stay on ATen (MKL).
 at::Tensor step_linear(const at::Tensor& x, const at::Tensor& W) {
   TORCH_CHECK(W.dim() == 2 && W.size(1) == x.size(1), "aftlab::rwkv4: weight shape");
   const auto dt = x.scalar_type();
+#ifdef AFTLAB_RWKV4_AVX2
   const bool ours = dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf;
+#else
+  const bool ours = false;  // a scalar loop would be slower than ATen's
+#endif
   if (!ours || x.size(0) > 16 || W.scalar_type() != dt) return at::linear(x, W);
   const at::Tensor xf = x.to(at::kFloat).contiguous(), Wc = W.contiguous();
   at::Tensor y = at::empty({x.size(0), W.size(0)}, x.options());
