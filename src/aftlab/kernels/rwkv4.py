@@ -23,13 +23,13 @@ WEIGHTS = (
 
 
 def register() -> None:
-    """Register the fake of ``aftlab::rwkv4_step`` (once, after the library is loaded)."""
+    """Register the fakes of ``aftlab::rwkv4_step`` and ``aftlab::rwkv4_linear`` (once, after
+    the library is loaded)."""
 
     @torch.library.register_fake("aftlab::rwkv4_step")
     def _(x, state, weights, eps, scale):
-        like = x.new_empty(x.shape)
         sums = [s.new_empty(s.shape) for s in state[1:4]]
-        return [like, x.new_empty(x.shape), *sums, x.new_empty(x.shape)]
+        return [x.new_empty(x.shape), x.new_empty(x.shape), *sums, x.new_empty(x.shape)]
 
     @torch.library.register_fake("aftlab::rwkv4_linear")
     def _(x, weight):

@@ -169,7 +169,7 @@ class RWKV4Block(nn.Module):
         or autocast applies, no projection has a bias, both LayerNorms share one epsilon, and
         the kernels run on ``x``."""
         linears = (self.att.to_q, self.att.to_k, self.att.to_v, self.att.proj, self.ffn.key,
-                  self.ffn.receptance, self.ffn.value)
+                   self.ffn.receptance, self.ffn.value)
         sums = state.att.inner
         return (
             not (self.training and self.att.drop.p > 0)
@@ -446,7 +446,7 @@ class RWKV4LM(nn.Module):
         cache.position += 1
         h, w = self.ln_out(h), self.head.weight
         if self.head.bias is None and w.dtype == h.dtype and _inference_kernel_runs(h, w):
-            return kernels.rwkv4.rwkv4_linear(h, w)  # a few rows: faster in bfloat16/float16
+            return kernels.rwkv4.rwkv4_linear(h, w)  # a few rows: read W once, faster than ATen
         return self.head(h)
 
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, **sampling) -> torch.Tensor:

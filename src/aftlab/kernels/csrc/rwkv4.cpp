@@ -135,7 +135,8 @@ inline float hsum(__m256 v) {
 // out[r] = sum_k w[r K + k] x[k] for R consecutive rows of W (the loads of x shared), in
 // float32, each row prefetched 512 bytes ahead. On the Xeon, over the 12 blocks' matrices of
 // the 169M model (median of 15): float32 19.0-19.9 GB/s against ATen's 17.5-17.8; bfloat16
-// 12.1-13.7 against 6.4-6.5. (1, 2 or 4 rows at once and 1-2 KiB ahead were no faster.)
+// 12.1-13.7 against 6.4-6.5. (1, 2 or 4 rows at once and 1-2 KiB ahead were not faster
+// beyond the run-to-run spread.)
 template <int R, typename T>
 inline void dots(const T* w, const float* x, int64_t K, float* out) {
 #ifdef AFTLAB_RWKV4_AVX2
