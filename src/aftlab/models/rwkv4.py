@@ -156,16 +156,19 @@ class RWKV4Block(nn.Module):
     ) -> tuple[torch.Tensor, RWKV4State]:
         """One token ``x: (B, d)``: the C++ kernel (:meth:`_step_kernel`) when it can run,
         else these modules' own steps (its reference)."""
-        if self._kernel_runs(x, state):
-            return self._step_kernel(x, state, scale)
+        if self._kernel_runs(x, state, weights := self._kernel_weights()):
+            return self._step_kernel(x, state, scale, weights)
         u = self.ln1(x)
         y, att = self.att._step(u, state.att)
         h = x + _scaled(y, scale)
         u = self.ln2(h)
         return h + _scaled(self.ffn(u, state.ffn), scale), RWKV4State(att, u)
 
-    def _kernel_runs(self, x: torch.Tensor, state: RWKV4State) -> bool:
-        """Whether :meth:`_step_kernel` computes this step: no gradient is taken, no dropout
+    def _kernel_runs(
+        self, x: torch.Tensor, state: RWKV4State, weights: list[torch.Tensor]
+    ) -> bool:
+        """Whether :meth:`_step_kernel` computes this step from ``weights``
+        (:meth:`_kernel_weights`, every parameter it reads): no gradient is taken, no dropout
         or autocast applies, no projection has a bias, both LayerNorms share one epsilon, and
         the kernels run on ``x``."""
         linears = (self.att.to_q, self.att.to_k, self.att.to_v, self.att.proj, self.ffn.key,
@@ -177,18 +180,18 @@ class RWKV4Block(nn.Module):
             and self.ln1.eps == self.ln2.eps
             and state.att.last.dtype == x.dtype == state.ffn.dtype
             and _inference_kernel_runs(
-                x, state.att.last, state.ffn, sums.a, sums.b, sums.p, *self.parameters()
+                x, state.att.last, state.ffn, sums.a, sums.b, sums.p, *weights
             )
         )
 
     def _step_kernel(
-        self, x: torch.Tensor, state: RWKV4State, scale: float
+        self, x: torch.Tensor, state: RWKV4State, scale: float, weights: list[torch.Tensor]
     ) -> tuple[torch.Tensor, RWKV4State]:
         """:meth:`_step` as one call of ``aftlab::rwkv4_step`` (:mod:`aftlab.kernels.rwkv4`):
         the same formulas, the elementwise work fused between ATen's matrix products."""
         sums = state.att.inner
         out, last_att, a, b, p, last_ffn = kernels.rwkv4.rwkv4_step(
-            x, [state.att.last, sums.a, sums.b, sums.p, state.ffn], self._kernel_weights(),
+            x, [state.att.last, sums.a, sums.b, sums.p, state.ffn], weights,
             eps=self.ln1.eps, scale=scale,
         )
         inner = RunningSums(a, b, p, position=sums.position + 1)

@@ -59,10 +59,14 @@ void mixes(const T* u, const T* last, const std::vector<const T*>& mu, const std
   });
 }
 
-// The WKV of one token and its state update, in the state's dtype S; y = sigma(r) wkv in T.
+// The WKV of one token and its state update, in the state's dtype S; y = sigma(r) wkv in T;
+// lambda = exp(min(time_decay, 30)) from `decay` (D) in S, or `decay` itself if `is_lambda`.
 template <typename T, typename S>
-void wkv_step(const T* r, const T* k, const T* v, const S* lam, const S* bonus, const S* a,
-              const S* b, const S* p, T* y, S* a1, S* b1, S* p1, int64_t B, int64_t D) {
+void wkv_step(const T* r, const T* k, const T* v, const S* decay, bool is_lambda,
+              const S* bonus, const S* a, const S* b, const S* p, T* y, S* a1, S* b1, S* p1,
+              int64_t B, int64_t D) {
+  std::vector<S> lam(decay, decay + D);
+  for (int64_t c = 0; c < D && !is_lambda; ++c) lam[c] = std::exp(std::min(decay[c], S(30)));
   at::parallel_for(0, B * D, GRAIN, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t c = i % D;
@@ -77,6 +81,18 @@ void wkv_step(const T* r, const T* k, const T* v, const S* lam, const S* bonus, 
       a1[i] = eo * a[i] + en * vv;
       b1[i] = eo * b[i] + en;
       p1[i] = pn;
+    }
+  });
+}
+
+// out = x + s y, the product rounded to T as in the Python step (s = 2^-j: exact).
+template <typename T>
+void residual(const T* x, const T* y, T* out, double s, int64_t n) {
+  using A = at::opmath_type<T>;
+  at::parallel_for(0, n, GRAIN, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const T scaled = s == 1.0 ? y[i] : T(A(y[i]) * A(s));
+      out[i] = T(A(x[i]) + A(scaled));
     }
   });
 }
@@ -239,7 +255,10 @@ std::vector<at::Tensor> rwkv4_step(const at::Tensor& x_in, at::TensorList state,
 
   const at::Tensor last_att = state[0].contiguous(), last_ffn = state[4].contiguous();
   const at::Tensor a = state[1].contiguous(), b = state[2].contiguous(), p = state[3].contiguous();
-  const at::Tensor lam = at::exp(w[9].clamp_max(30.0)).to(st).contiguous();
+  // lambda in the loop when time_decay is S (as usual), else rounded as the Python step does
+  const bool is_lambda = w[9].scalar_type() != st;
+  const at::Tensor decay =
+      is_lambda ? at::exp(w[9].clamp_max(30.0)).to(st).contiguous() : w[9].contiguous();
   const at::Tensor bonus = w[10].to(st).contiguous();
   auto vec = [&](const at::Tensor& t) { return t.to(x.scalar_type()).contiguous(); };
   const at::Tensor mr = vec(w[2]), mk = vec(w[3]), mv = vec(w[4]), fk = vec(w[13]), fr = vec(w[14]);
@@ -256,11 +275,13 @@ std::vector<at::Tensor> rwkv4_step(const at::Tensor& x_in, at::TensorList state,
     const at::Tensor r = step_linear(xr, w[5]), k = step_linear(xk, w[6]),
                      v = step_linear(xv, w[7]);
     wkv_step<scalar_t, S>(r.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
-                          lam.data_ptr<S>(), bonus.data_ptr<S>(), a.data_ptr<S>(), b.data_ptr<S>(),
+                          decay.data_ptr<S>(), is_lambda, bonus.data_ptr<S>(), a.data_ptr<S>(), b.data_ptr<S>(),
                           p.data_ptr<S>(), y.data_ptr<scalar_t>(), a1.data_ptr<S>(),
                           b1.data_ptr<S>(), p1.data_ptr<S>(), B, D);
-    at::Tensor att = step_linear(y, w[8]);
-    h = scale == 1.0 ? x + att : x + att * scale;
+    const at::Tensor att = step_linear(y, w[8]);
+    h = at::empty_like(x);
+    residual<scalar_t>(x.data_ptr<scalar_t>(), att.data_ptr<scalar_t>(), h.data_ptr<scalar_t>(),
+                       scale, B * D);
     u2 = at::layer_norm(h, {D}, w[11], w[12], eps);
     mixes<scalar_t>(u2.data_ptr<scalar_t>(), last_ffn.data_ptr<scalar_t>(),
                     {fk.data_ptr<scalar_t>(), fr.data_ptr<scalar_t>()},
