@@ -1,14 +1,17 @@
-"""benchmarks/rwkv4_peers.py: the weights' conversion for ChatRWKV, the peers' adapters, the
-counting of the floors and the long prefill's fresh process, at tiny shapes (nothing timed)."""
+"""aftlab.bench.rwkv4_peers (``aftlab bench --suite rwkv4-peers``, benchmarks/rwkv4_peers.py):
+the weights' conversion for ChatRWKV, the peers' adapters, the counting of the floors, the long
+prefill's fresh process and the suite's options, at tiny shapes (what is timed is not checked)."""
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from aftlab.cli import main as aftlab_main
 from aftlab.testing import assert_close
 
 # ChatRWKV's model is TorchScript
@@ -16,8 +19,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script:DeprecationWar
 
 
 @pytest.fixture
-def bench(benchmark_script):
-    return benchmark_script("rwkv4_peers")
+def bench():
+    from aftlab.bench import rwkv4_peers
+
+    return rwkv4_peers
 
 
 @pytest.fixture
@@ -181,3 +186,44 @@ def test_bad_options_exit_2_naming_them(bench, capsys):
         bench.main(["--shapes", "169m,7b"])
     assert e.value.code == 2
     assert "--shapes: expected names of 169m, 430m, 1b5, tiny, got 7b" in capsys.readouterr().err
+
+
+def test_the_script_in_benchmarks_is_the_module(benchmark_script, bench):
+    assert benchmark_script("rwkv4_peers").main is bench.main
+
+
+@pytest.mark.slow  # the peers at the tiny shape, timed once each
+def test_aftlab_bench_runs_the_suite_into_out(tmp_path, capsys):
+    argv = ["bench", "--suite", "rwkv4-peers", "--shapes", "tiny", "--parts", "prefill,decode",
+            "--repeats", "1", "--threads", "1", "--out", str(tmp_path)]
+    assert aftlab_main(argv) == 0
+    result = json.loads((tmp_path / "rwkv4-peers.json").read_text())
+    assert [r["what"] for r in result["rows"]] == [
+        "prefill 64 tokens, last logits", "prefill 64 tokens, all logits", "decode, ms/token"]
+    decode = result["rows"][-1]["peers"]
+    assert "aftlab" in decode and all(v > 0 for v in decode.values())
+    assert result["config"]["suite"] == "rwkv4-peers" and result["machine"]["threads"] == 1
+    table = (tmp_path / "rwkv4-peers.md").read_text()
+    assert "| decode, ms/token | tiny | ms |" in table and table in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--shapes", "169m,7b"], "--shapes: expected names of 169m, 430m, 1b5, tiny, got 7b"),
+        (["--shapes", "tiny,169m"], "--shapes: expected 'tiny' (the smoke test) alone"),
+        (["--parts", "decode,nope"], "--parts: expected names of train, prefill"),
+        (["--dtype", "bfloat16"], "--dtype must be float32 with --suite rwkv4-peers"),
+        (["--device", "cuda"], "--device must be"),
+    ],
+)
+def test_the_suite_refuses_bad_options_in_one_line(argv, expected, capsys):
+    code = aftlab_main(["bench", "--suite", "rwkv4-peers", *argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and expected in err and "\n" not in err, err
+
+
+def test_an_unknown_suite_is_refused(capsys):
+    assert aftlab_main(["bench", "--suite", "models"]) == 2
+    err = capsys.readouterr().err
+    assert "--suite must be one of ['mixers', 'rwkv4-peers'], got 'models'" in err

@@ -4,6 +4,7 @@ what cannot fit, gate, measure; then the report. See docs/benchmarks.md."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
 import re
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 
 from .._system import available_memory, machine_info
+from . import rwkv4_peers
 from .cases import MATMUL, MODES, PEERS, Op, Shape, Spec
 from .cases import cases as all_cases
 from .measure import check, execute, gate_shape, measure_limits
@@ -26,6 +28,9 @@ from .states import state_sizes
 STATE_TOKENS = (4096, 65536, 2**20)
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
+
+#: what ``aftlab bench`` measures: the ops of the mixers, or RWKV-4 models beside their peers
+SUITES = ("mixers", "rwkv4-peers")
 
 
 def _opt(default, help: str):
@@ -45,6 +50,8 @@ def kind(f: Field) -> tuple[bool, type]:
 class BenchConfig:
     """Options of one run; each with a help is the ``aftlab bench`` option of the same name."""
 
+    suite: str = _opt("mixers", "mixers (the op of every mixer) or rwkv4-peers (RWKV-4 models "
+                      "beside transformers and ChatRWKV: docs/rwkv.md)")
     mixers: list[str] = _opt([], "cases, comma-separated (default: every registered mixer)")
     lengths: list[int] = _opt([256, 1024, 4096, 16384], "T for forward and train")
     decode_positions: list[int] | None = _opt(None, "positions of the decoding step (the lengths)")
@@ -68,6 +75,8 @@ class BenchConfig:
     state_sizes_only: bool = _opt(False, "print the decoding-state sizes only: nothing timed")
     max_total_minutes: float | None = _opt(None, "then skip the remaining cases (no limit)")
     limits_size: str = "full"  # "tiny" (tests): machine limits measured small, meaningless
+    shapes: list[str] = _opt(["169m", "430m"], f"rwkv4-peers: of {', '.join(rwkv4_peers.SHAPES)}")
+    parts: list[str] = _opt(list(rwkv4_peers.PARTS), "rwkv4-peers: what is measured")
     seed: int = _opt(0, "seed of the inputs")
     out: str | os.PathLike | None = _opt(None, "directory of the report (none: print only)")
 
@@ -91,11 +100,24 @@ class BenchConfig:
             ("device", self.device in ("cpu", "cuda"), "'cpu' or 'cuda'"),
             ("device", self.device != "cuda" or torch.cuda.is_available(), "a device torch sees"),
             ("out", out is None or not out.exists() or out.is_dir(), "a directory"),
+            ("suite", self.suite in SUITES, f"one of {list(SUITES)}"),
         ]
+        if self.suite == "rwkv4-peers":  # on CPU, in float32 (bfloat16: its part)
+            checks += [
+                ("suite", importlib.util.find_spec("transformers") is not None,
+                 "a suite whose peers are installed (pip install transformers rwkv)"),
+                ("device", self.device == "cpu", "cpu with --suite rwkv4-peers"),
+                ("dtype", self.dtype == "float32", "float32 with --suite rwkv4-peers"),
+            ]
         for name, ok, want in checks:
             if not ok:
                 flag = name.replace("_", "-")
                 raise ValueError(f"bench: --{flag} must be {want}, got {getattr(self, name)!r}")
+        if self.suite == "rwkv4-peers":
+            try:
+                rwkv4_peers.check_options(self.shapes, self.parts)
+            except ValueError as e:
+                raise ValueError(f"bench: {e}") from None
 
 
 def _positive(v, kind: type) -> bool:
@@ -127,6 +149,8 @@ def run_bench(
     """
     table = all_cases() if cases is None else {"aft-full-matmul": MATMUL, **cases}
     cfg.validate(table)
+    if cfg.suite == "rwkv4-peers":
+        return _rwkv4_peers(cfg, argv, log)
     run = _Run(cfg, log or (lambda _line: None))
     shape = Shape(1, 1, cfg.dim, cfg.heads, run.esize)
     sizes = state_sizes(table, cfg.mixers, cfg.state_tokens, shape, run.dtype)
@@ -164,6 +188,26 @@ def run_bench(
     else:
         for line in ["", *state_table(sizes, cfg.dim, cfg.heads, cfg.dtype)]:
             run.say(line)
+    return result
+
+
+def _rwkv4_peers(cfg: BenchConfig, argv: list[str] | None, log) -> dict:
+    """``--suite rwkv4-peers``: :func:`aftlab.bench.rwkv4_peers.run` with the run's shapes,
+    parts, threads and repeats; into ``cfg.out``: ``rwkv4-peers.json`` and ``rwkv4-peers.md``
+    (the table). Returns its result with ``config``, ``machine`` (with ``argv``) and empty
+    ``results`` (no case of the mixers ran)."""
+    t0 = time.perf_counter()
+    out = Path(cfg.out) if cfg.out is not None else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+    threads = cfg.threads or torch.get_num_threads()
+    result = rwkv4_peers.run(cfg.shapes, cfg.parts, threads=threads, repeats=cfg.repeats,
+                             log=log)
+    result.update(machine=machine_info(torch.device("cpu"), argv), config=_config(cfg),
+                  results=[], wall_s=time.perf_counter() - t0)
+    if out is not None:
+        (out / "rwkv4-peers.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+        (out / "rwkv4-peers.md").write_text(rwkv4_peers.table(result["rows"]) + "\n")
     return result
 
 
