@@ -99,9 +99,13 @@ class ChannelMix(nn.Module):
             shifted = torch.zeros_like(x) if last is None else last.to(x.dtype)
         else:
             shifted = shift_tokens(x, last, padding_mask)
-        k = torch.relu(self.key(token_mix(x, shifted, self.mix_k)))
-        k = k * k  # a multiply: pow(k, 2) is several times slower on CPU
-        return torch.sigmoid(self.receptance(token_mix(x, shifted, self.mix_r))) * self.value(k)
+        k = self.key(token_mix(x, shifted, self.mix_k))
+        r = self.receptance(token_mix(x, shifted, self.mix_r))
+        if torch.is_grad_enabled() and (k.requires_grad or r.requires_grad):
+            k = torch.relu(k)
+            return torch.sigmoid(r) * self.value(k * k)  # k * k: pow(k, 2) is slower on CPU
+        # without autograd, in place: the same roundings, no (B, T, I) buffer to allocate
+        return r.sigmoid_().mul_(self.value(k.relu_().mul_(k)))
 
 
 @dataclass
