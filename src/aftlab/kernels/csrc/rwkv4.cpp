@@ -11,7 +11,7 @@
 // with lambda = exp(min(time_decay, 30)) and u_b = time_bonus. The matrix products and layer
 // norms are ATen's (for one token they read each weight once: the step is bound by that; the
 // products in float32, bfloat16 and float16 are this file's `step_linear`); the elementwise work
-// between them is fused into four loops, in the inputs' dtype where the Python step rounds to
+// between them is fused into five loops, in the inputs' dtype where the Python step rounds to
 // it and in float32 (float64 for float64 inputs) for the WKV, whose state (a, b, p) is kept in
 // that dtype. The Python step is the reference (tests/kernels).
 
