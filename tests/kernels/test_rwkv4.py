@@ -154,6 +154,43 @@ def test_steps_aside_when_a_gradient_is_taken(monkeypatch):
     assert calls[0] == 1
 
 
+class _Adapted(torch.nn.Linear):
+    """A LoRA-like projection: its own forward and a trainable parameter of its own."""
+
+    def __init__(self, base: torch.nn.Linear):
+        super().__init__(base.in_features, base.out_features, bias=False, dtype=base.weight.dtype)
+        self.weight.data.copy_(base.weight)
+        self.up = torch.nn.Parameter(torch.ones(base.out_features, dtype=base.weight.dtype))
+
+    def forward(self, x):
+        return super().forward(x) * self.up
+
+
+def test_steps_aside_for_a_parameter_it_does_not_read(monkeypatch):
+    # the kernel reads the block's 18 weights: another trainable parameter (an adapter), or a
+    # projection with its own forward, must take the Python step, so its gradient is not lost
+    lm = _model(torch.float64).requires_grad_(False)
+    calls = _counting(monkeypatch)
+    block = lm.blocks[0]
+    x, state = torch.randn(2, lm.config.d_model, dtype=torch.float64), block.init_state(2, "cpu",
+                                                                                      torch.float64)
+    block.extra = torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))
+    with kernels.use_kernels(True):
+        block._step(x, state)
+    assert calls[0] == 0
+    del block.extra
+    block.ffn.value = _Adapted(block.ffn.value)
+    block.ffn.value.weight.requires_grad_(False)
+    with kernels.use_kernels(True):
+        y, _ = block._step(x, state)
+    assert calls[0] == 0 and y.requires_grad
+    y.sum().backward()
+    assert block.ffn.value.up.grad.abs().sum() > 0
+    with kernels.use_kernels(True), torch.no_grad():
+        block._step(x, state)  # no gradient, but a forward the kernel does not know: still
+    assert calls[0] == 0
+
+
 def test_steps_aside_under_autocast_and_with_another_state_dtype(monkeypatch):
     lm = _model(torch.float32)
     calls = _counting(monkeypatch)

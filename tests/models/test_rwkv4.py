@@ -17,7 +17,7 @@ from aftlab.models.rwkv4 import RWKV4State, from_hf_state, to_hf_state
 from aftlab.models.rwkv4_io import hf_names
 from aftlab.testing import assert_close, assert_same_state
 
-from .rwkv4_helpers import V, assert_float32_close, hf_pair, random_lm, randomise_, scale
+from .rwkv4_helpers import D, V, assert_float32_close, hf_pair, random_lm, randomise_, scale
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -396,3 +396,26 @@ def test_compiled_forward_equals_eager():
         want = lm(idx, padding_mask=mask)
         got = torch.compile(lm, fullgraph=True, backend="aot_eager")(idx, padding_mask=mask)
     assert_float32_close("compiled logits", got, want)
+
+
+def test_the_channel_mix_without_autograd_equals_it_with_and_spares_what_hooks_hold():
+    # without autograd the channel mix computes relu^2 and its gate in place: the same bits,
+    # but not over a tensor a forward hook may keep (activation caching and patching)
+    ffn = random_lm(2, seed=1).blocks[0].ffn
+    x = torch.randn(2, 5, D)
+    with_grad = ffn(x)
+    with torch.no_grad():
+        assert torch.equal(ffn(x), with_grad)
+    held, before = [], []
+
+    def keep(module, args, out):
+        held.append(out)
+        before.append(out.clone())
+
+    for register in (ffn.key.register_forward_hook, nn.modules.module.register_module_forward_hook):
+        handle = register(keep)
+        with torch.no_grad():
+            assert torch.equal(ffn(x), with_grad)
+        handle.remove()
+        assert held and all(torch.equal(h, b) for h, b in zip(held, before, strict=True))
+        held.clear(), before.clear()

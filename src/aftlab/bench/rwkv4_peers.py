@@ -29,12 +29,12 @@ position only, which is all a prefill needs). Training: ``6 B T (L (5 d^2 + 2 d 
 bandwidth (the fastest of ``measure_limits``' copy and add and a read-only sum): every matrix
 and the head once, the ``11 d`` vectors of each block, one embedding row.
 
-    python -m aftlab.bench.rwkv4_peers [--shapes 169m,430m]
+    python benchmarks/rwkv4_peers.py [--shapes 169m,430m]
         [--parts train,prefill,decode,long,bf16] [--threads 2] [--repeats 3]
         [--decode-steps 32] [--train-vocab 256] [--json OUT] [--quick]
 
-``benchmarks/rwkv4_peers.py`` takes the same options, and ``aftlab bench --suite rwkv4-peers``
-those of the shapes, parts, threads and repeats (docs/benchmarks.md). ``--quick`` (``--shapes
+``aftlab bench --suite rwkv4-peers`` takes those of the shapes, parts, threads and repeats
+(docs/benchmarks.md). ``--quick`` (``--shapes
 tiny``): tiny shapes and lengths, a smoke test (its numbers mean nothing). The peers are
 extras: ``pip install transformers rwkv``.
 aftlab's model comes from :func:`aftlab_model`; without ``aftlab.models.rwkv4`` the script
@@ -563,7 +563,7 @@ def long_rows(s: Shape, names: list[str], hf, plan: Plan, threads: int, rate: fl
     out, logits = {}, {}
     for name in names:
         done = subprocess.run(
-            [sys.executable, "-m", "aftlab.bench.rwkv4_peers", "_long", name, s.name,
+            [sys.executable, __file__, "_long", name, s.name,  # not -m: no aftlab.bench import
              str(plan.long), str(plan.chunk), str(threads), str(folder)],
             check=True, capture_output=True, text=True,
         )

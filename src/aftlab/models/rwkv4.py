@@ -101,10 +101,12 @@ class ChannelMix(nn.Module):
             shifted = shift_tokens(x, last, padding_mask)
         k = self.key(token_mix(x, shifted, self.mix_k))
         r = self.receptance(token_mix(x, shifted, self.mix_r))
-        if torch.is_grad_enabled() and (k.requires_grad or r.requires_grad):
+        grad = torch.is_grad_enabled() and (k.requires_grad or r.requires_grad)
+        if grad or self.key._forward_hooks or self.receptance._forward_hooks or _global_hooks():
             k = torch.relu(k)
             return torch.sigmoid(r) * self.value(k * k)  # k * k: pow(k, 2) is slower on CPU
-        # without autograd, in place: the same roundings, no (B, T, I) buffer to allocate
+        # without autograd or a hook that may hold k or r: in place, the same roundings, no
+        # (B, T, I) buffer to allocate
         return r.sigmoid_().mul_(self.value(k.relu_().mul_(k)))
 
 
@@ -172,15 +174,18 @@ class RWKV4Block(nn.Module):
         self, x: torch.Tensor, state: RWKV4State, weights: list[torch.Tensor]
     ) -> bool:
         """Whether :meth:`_step_kernel` computes this step from ``weights``
-        (:meth:`_kernel_weights`, every parameter it reads): no gradient is taken, no dropout
-        or autocast applies, no projection has a bias, both LayerNorms share one epsilon, and
-        the kernels run on ``x``."""
+        (:meth:`_kernel_weights`, every parameter it reads): no gradient is taken (of any
+        parameter of the block), no dropout or autocast applies, the projections are plain
+        ``nn.Linear`` without bias, both LayerNorms share one epsilon, and the kernels run on
+        ``x``."""
         linears = (self.att.to_q, self.att.to_k, self.att.to_v, self.att.proj, self.ffn.key,
                    self.ffn.receptance, self.ffn.value)
         sums = state.att.inner
         return (
             not (self.training and self.att.drop.p > 0)
-            and all(lin.bias is None for lin in linears)
+            and all(type(lin) is nn.Linear and lin.bias is None for lin in linears)
+            # a parameter besides the 18 (an adapter) needs autograd too; no walk without grad
+            and not (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()))
             and self.ln1.eps == self.ln2.eps
             and state.att.last.dtype == x.dtype == state.ffn.dtype
             and _inference_kernel_runs(
@@ -235,6 +240,11 @@ def _inference_kernel_runs(x: torch.Tensor, *tensors: torch.Tensor) -> bool:
         and not torch.is_autocast_enabled("cpu")
         and kernels.enabled(x)
     )
+
+
+def _global_hooks() -> bool:
+    """Whether a global module forward hook is registered (``register_module_forward_hook``)."""
+    return bool(nn.modules.module._global_forward_hooks)
 
 
 def _scaled(y: torch.Tensor, scale: float) -> torch.Tensor:
