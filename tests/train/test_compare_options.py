@@ -223,3 +223,19 @@ def test_bad_options_one_line_exit_2(tmp_path, capsys, extra, says):
     assert code == 2 and len(err) == 1 and err[0].startswith("aftlab: error:"), err
     assert says in err[0]
     assert not out.exists()  # nothing trained, nothing written
+
+
+def test_dry_run_checks_everything_and_trains_and_writes_nothing(monkeypatch, tmp_path, capsys):
+    monkeypatch.chdir(tmp_path)
+    trained = []
+    monkeypatch.setattr(compare, "_train_one", lambda *a, **k: trained.append(a))
+    argv = ["compare", "--task", "text", "--mixers", "attention,aft-local:window=8", "--lrs",
+            "1e-3,2e-3", "--seeds", "2", "--steps", "7", "--out", "cmp", "--dry-run"]
+    assert main(argv) == 0
+    line = capsys.readouterr().out.strip()
+    assert line == ("aftlab compare: would train attention, aft-local:window=8 at lr 0.001, "
+                    "0.002 with 2 seed(s): 8 run(s) of 7 steps on text, into cmp")
+    assert trained == [] and list(tmp_path.iterdir()) == []
+    # what a run would refuse before its first step, the dry run refuses too
+    assert main([*argv[:4], "aft-local:window=8:no_such_option=1", *argv[5:]]) == 2
+    assert "no_such_option" in capsys.readouterr().err

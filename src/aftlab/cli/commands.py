@@ -503,10 +503,22 @@ def add_compare(sub) -> None:
         help="after the table, print N bytes sampled from the model with the best test metric "
         "(text tasks; default 0: none)",
     )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check every option, the data and every model (built on the meta device), print "
+        "what would be trained, and train and write nothing",
+    )
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from ..train.compare import default_mixers, parse_lrs, run_compare, sample_best
+    from ..train.compare import (
+        check_compare,
+        default_mixers,
+        parse_lrs,
+        run_compare,
+        sample_best,
+    )
     from ..train.config import load_config
 
     if args.seeds < 1:
@@ -523,6 +535,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
     out = check_out_dir(
         args.out or os.path.join("runs", f"compare-{base.task}-{time.strftime('%Y%m%d-%H%M%S')}")
     )
+    if args.dry_run:
+        print(check_compare(base, mixers, out, seeds=args.seeds, lrs=lrs,
+                            equal_params=args.equal_params, sample=args.sample))
+        return 0
     table = run_compare(
         base,
         mixers,

@@ -54,6 +54,7 @@ __all__ = [
     "count_parameters",
     "match_parameters",
     "run_compare",
+    "check_compare",
     "unigram_baseline",
     "format_table",
     "check_sample",
@@ -658,6 +659,34 @@ def _write_results(plan: _Plan, rows: list[dict[str, Any]], run_dirs: dict[str, 
         md += [f"![tokens/s and peak memory]({speed_png.name})", ""]
     atomic_write_text(out_dir / "results.md", "\n".join(md))
     return table
+
+
+def check_compare(
+    base: TrainConfig,
+    mixers: list[str],
+    out_dir: str | Path,
+    *,
+    seeds: int = 1,
+    lrs: list[float] | None = None,
+    equal_params: bool = False,
+    sample: int = 0,
+) -> str:
+    """What :func:`run_compare` would train, checked as it checks it before any training (every
+    option, the data, every model built on the meta device), as one line; nothing is trained or
+    written (``aftlab compare --dry-run``).
+
+    Raises:
+        UsageError: as :func:`run_compare` does before its first run.
+    """
+    plan = _plan(
+        base, mixers, out_dir, seeds=seeds, lrs=lrs, equal_params=equal_params, sample=sample
+    )
+    runs = len(plan.specs) * len(plan.lrs) * len(plan.seeds)
+    return (
+        f"aftlab compare: would train {', '.join(plan.configs)} at lr "
+        f"{', '.join(f'{lr:g}' for lr in plan.lrs)} with {len(plan.seeds)} seed(s): {runs} "
+        f"run(s) of {base.steps} steps on {base.task}, into {plan.out_dir}"
+    )
 
 
 def run_compare(
