@@ -1,5 +1,5 @@
 """The commands of docs/results.md, by section: what ``benchmarks/reproduce.sh`` runs and
-tests/test_results_commands.py checks.
+tests/bench/test_results_commands.py checks.
 
 A command is a line of a ``bash``/``sh`` block (continuations joined, comments dropped), with
 the block's shell variables (``M="aftlab compare ..."``) expanded and its ``NAME=value``

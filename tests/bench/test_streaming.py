@@ -9,7 +9,7 @@ import torch
 
 from aftlab.testing import assert_close
 
-from .conftest import BENCHMARKS
+from .scripts import BENCHMARKS
 
 
 def test_stream_carries_the_cache_like_one_prefill(benchmark_script):

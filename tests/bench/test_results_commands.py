@@ -16,7 +16,6 @@ kind fails the test, so that a new kind is checked too.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import runpy
 import shlex
 import subprocess
@@ -28,12 +27,10 @@ import pytest
 from aftlab.cli import build_parser, main
 from aftlab.cli.commands import resolve_train_config
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "results_commands.py"
-spec = importlib.util.spec_from_file_location("results_commands", SCRIPT)
-rc = importlib.util.module_from_spec(spec)
-sys.modules["results_commands"] = rc  # dataclasses resolve the module by name
-spec.loader.exec_module(rc)
+from .scripts import load_script
+
+ROOT = Path(__file__).resolve().parents[2]
+rc = load_script("results_commands")
 COMMANDS = [(c.line, list(c.words)) for c in rc.commands()]
 
 
@@ -110,7 +107,7 @@ def test_every_results_command_is_valid_as_written(line, words, tmp_path, monkey
         done = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
         assert done.returncode == 0, f"{where}\n{done.stderr}"
     else:
-        pytest.fail(f"{where}: no check for this kind of command (tests/test_results_commands.py)")
+        pytest.fail(f"{where}: no check for this kind of command here")
 
 
 def test_a_stale_command_fails_the_check(tmp_path, monkeypatch, capsys):
