@@ -60,6 +60,9 @@ def commands(path: Path = RESULTS) -> list[Command]:
                 pending += raw[:-1] + " "
                 continue
             line, pending = pending + raw, ""
+            for name in re.findall(r"\$(\w+)", line):
+                if name not in variables:
+                    raise ValueError(f"{path.name}:{start}: ${name} is not assigned in its block")
             line = re.sub(r"\$(\w+)", lambda v, env=variables: env[v.group(1)], line)
             words = shlex.split(line, comments=True)
             if len(words) == 1 and (a := ASSIGN.match(words[0])):

@@ -64,6 +64,16 @@ def test_the_blocks_hold_commands_of_every_kind():
     assert prefixed[0].shell().startswith("OMP_NUM_THREADS=1 aftlab compare --config ")
 
 
+def test_a_variable_not_assigned_in_its_block_is_named(tmp_path):
+    doc = tmp_path / "results.md"
+    doc.write_text("## A\n\n```bash\nM=\"aftlab eval\"\n$M run\n```\n\n```bash\n$M x\n```\n")
+    with pytest.raises(ValueError, match=r"results.md:9: \$M is not assigned in its block"):
+        rc.commands(doc)
+    doc.write_text("## A\n\n```bash\nM=\"aftlab eval\"\n$M run\n```\n")
+    assert [(c.section, c.line, c.words) for c in rc.commands(doc)] == [
+        ("A", 5, ("aftlab", "eval", "run"))]
+
+
 def test_reproduce_selects_one_section_and_refuses_an_existing_out(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert rc.main(["packed documents"]) == 0
