@@ -125,6 +125,7 @@ def test_a_stale_command_fails_the_check(tmp_path, monkeypatch, capsys):
     (tmp_path / "configs").symlink_to(ROOT / "configs")
     assert main(["compare", "--config", "configs/mqar.toml", "--set", "no_such_key=1",
                  "--dry-run"]) == 2
+    assert "no_such_key" in capsys.readouterr().err
     assert main(["compare", "--mixers", "attention,aft-lokal", "--dry-run"]) == 2
     assert "unknown mixer 'aft-lokal'" in capsys.readouterr().err
     with pytest.raises(SystemExit):

@@ -512,13 +512,7 @@ def add_compare(sub) -> None:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from ..train.compare import (
-        check_compare,
-        default_mixers,
-        parse_lrs,
-        run_compare,
-        sample_best,
-    )
+    from ..train.compare import default_mixers, parse_lrs, run_compare, sample_best
     from ..train.config import load_config
 
     if args.seeds < 1:
@@ -535,10 +529,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
     out = check_out_dir(
         args.out or os.path.join("runs", f"compare-{base.task}-{time.strftime('%Y%m%d-%H%M%S')}")
     )
-    if args.dry_run:
-        print(check_compare(base, mixers, out, seeds=args.seeds, lrs=lrs,
-                            equal_params=args.equal_params, sample=args.sample))
-        return 0
     table = run_compare(
         base,
         mixers,
@@ -547,8 +537,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
         lrs=lrs,
         equal_params=args.equal_params,
         sample=args.sample,
+        dry_run=args.dry_run,
     )
     print(table, flush=True)
+    if args.dry_run:
+        return 0
     if args.sample:
         sample_best(out, args.sample, out=sys.stdout, seed=base.seed)
     plots = [n for n in ("loss_curves.png", "throughput.png") if (out / n).is_file()]

@@ -54,7 +54,6 @@ __all__ = [
     "count_parameters",
     "match_parameters",
     "run_compare",
-    "check_compare",
     "unigram_baseline",
     "format_table",
     "check_sample",
@@ -661,34 +660,6 @@ def _write_results(plan: _Plan, rows: list[dict[str, Any]], run_dirs: dict[str, 
     return table
 
 
-def check_compare(
-    base: TrainConfig,
-    mixers: list[str],
-    out_dir: str | Path,
-    *,
-    seeds: int = 1,
-    lrs: list[float] | None = None,
-    equal_params: bool = False,
-    sample: int = 0,
-) -> str:
-    """What :func:`run_compare` would train, checked as it checks it before any training (every
-    option, the data, every model built on the meta device), as one line; nothing is trained or
-    written (``aftlab compare --dry-run``).
-
-    Raises:
-        UsageError: as :func:`run_compare` does before its first run.
-    """
-    plan = _plan(
-        base, mixers, out_dir, seeds=seeds, lrs=lrs, equal_params=equal_params, sample=sample
-    )
-    runs = len(plan.specs) * len(plan.lrs) * len(plan.seeds)
-    return (
-        f"aftlab compare: would train {', '.join(plan.configs)} at lr "
-        f"{', '.join(f'{lr:g}' for lr in plan.lrs)} with {len(plan.seeds)} seed(s): {runs} "
-        f"run(s) of {base.steps} steps on {base.task}, into {plan.out_dir}"
-    )
-
-
 def run_compare(
     base: TrainConfig,
     mixers: list[str],
@@ -698,6 +669,7 @@ def run_compare(
     lrs: list[float] | None = None,
     equal_params: bool = False,
     sample: int = 0,
+    dry_run: bool = False,
 ) -> str:
     """Train every mixer of ``mixers`` with ``base`` and write the comparison into ``out_dir``.
 
@@ -716,6 +688,9 @@ def run_compare(
             (:func:`match_parameters`).
         sample: tokens the caller samples afterwards with :func:`sample_best`; checked here
             (:func:`check_sample`), before any training.
+        dry_run: stop after the plan (every check made before the first run: the options, the
+            data, every model on the meta device); nothing is trained or written
+            (``aftlab compare --dry-run``).
 
     Writes ``results.md`` (the table, with the command), ``results.json`` (every row, with the
     validation metric at every rate, and the config), ``results.csv`` and, when matplotlib is
@@ -728,7 +703,7 @@ def run_compare(
     says why) and is never cached: a rerun retries it.
 
     Returns:
-        The Markdown table.
+        The Markdown table; with ``dry_run``, one line saying what would be trained.
 
     Raises:
         UsageError: an unknown mixer or bad entry, ``seeds < 1``, a bad rate, a bad ``sample``,
@@ -738,6 +713,13 @@ def run_compare(
     plan = _plan(
         base, mixers, out_dir, seeds=seeds, lrs=lrs, equal_params=equal_params, sample=sample
     )
+    if dry_run:
+        runs = len(plan.specs) * len(plan.lrs) * len(plan.seeds)
+        return (
+            f"aftlab compare: would train {', '.join(plan.configs)} at lr "
+            f"{', '.join(f'{lr:g}' for lr in plan.lrs)} with {len(plan.seeds)} seed(s): {runs} "
+            f"run(s) of {base.steps} steps on {base.task}, into {plan.out_dir}"
+        )
     plan.out_dir.mkdir(parents=True, exist_ok=True)
     rows, run_dirs = [], {}
     for sp in plan.specs:
