@@ -61,7 +61,7 @@ def test_env_switch_falls_back_with_one_warning(monkeypatch):
         "aftlab: running the pure-PyTorch ops: AFTLAB_KERNELS=0"
     ]
     assert "aftlab" not in y.grad_fn.name()
-    assert kernels.status()["aft_simple"] == ("pytorch", "switched off by AFTLAB_KERNELS=0")
+    assert kernels.status()["aft_simple"] == ("torch", "switched off by AFTLAB_KERNELS=0")
 
 
 _NO_COMPILER = """
@@ -85,7 +85,7 @@ def test_no_compiler_falls_back_with_one_warning(tmp_path):
         timeout=120, check=True,
     ).stdout
     assert out.startswith("1 aftlab: running the pure-PyTorch ops: no C++ compiler"), out
-    assert "('pytorch', 'no C++ compiler" in out
+    assert "('torch', 'no C++ compiler" in out
     assert not (tmp_path / "kernels").exists()  # nothing was written
 
 
@@ -94,12 +94,17 @@ def test_cli_kernels_reports_each_op(capsys, monkeypatch):
     monkeypatch.delenv("AFTLAB_KERNELS", raising=False)
     assert main(["kernels"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert [line.split(":")[0] for line in lines] == list(kernels.OPS)
-    assert all(": kernel (compiled library " in line for line in lines)
+    rows = [f"{op} ({device})" for device in ("cpu", "cuda") for op in kernels.OPS]
+    assert [line.split(":")[0] for line in lines] == rows
+    cpu, cuda = lines[: len(kernels.OPS)], lines[len(kernels.OPS):]
+    assert all(": cpp (compiled library " in line for line in cpu)
+    for op, line in zip(kernels.OPS, cuda, strict=True):  # what a CUDA tensor would run
+        triton = op in kernels.triton.OPS and kernels.triton.load()
+        assert (": triton (triton " in line) == triton, line
     monkeypatch.setenv("AFTLAB_KERNELS", "0")
     assert main(["kernels"]) == 1
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines == [f"{op}: pytorch (switched off by AFTLAB_KERNELS=0)" for op in kernels.OPS]
+    assert lines == [f"{row}: torch (switched off by AFTLAB_KERNELS=0)" for row in rows]
 
 
 def test_one_module_per_source_and_the_ops_call_only_its_public_functions():

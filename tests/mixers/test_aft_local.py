@@ -13,7 +13,6 @@ from aftlab.models import TransformerConfig, TransformerLM
 from aftlab.ops.aft_local import aft_local_reference
 from aftlab.testing import assert_close, assert_same_state, decode, perturb_parameters
 from aftlab.train.compare import parse_mixer_spec
-from tests.ops.conftest import impl  # noqa: F401 - the fixture: kernel and PyTorch paths
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -11,6 +11,7 @@ from aftlab.functional import aft_conv
 from aftlab.ops.aft_conv import aft_conv_reference
 from aftlab.testing import assert_close
 
+OP = "aft_conv"
 pytestmark = pytest.mark.usefixtures("impl")  # kernel and PyTorch (conftest.py)
 
 F64 = torch.float64

@@ -8,6 +8,7 @@ from aftlab.ops.aft_full import aft_full_reference
 from aftlab.ops.aft_local import aft_local_band, aft_local_reference, band_of
 from aftlab.testing import assert_close
 
+OP = "aft_local"
 pytestmark = pytest.mark.usefixtures("impl", "one_thread")  # kernel and PyTorch (conftest.py)
 
 

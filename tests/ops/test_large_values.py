@@ -18,6 +18,7 @@ from aftlab.ops.aft_full import aft_full_reference
 from aftlab.ops.aft_local import aft_local_reference
 from aftlab.testing import assert_close
 
+OP = ("aft_local", "aft_conv", "aft_full")  # what the impl fixture runs
 pytestmark = pytest.mark.usefixtures("one_thread", "impl")
 
 B, T, D, HEADS = 2, 300, 4, 2

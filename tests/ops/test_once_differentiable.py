@@ -15,6 +15,7 @@ from aftlab.ops import aft_conv, aft_decay, aft_full, aft_local, aft_simple
 from aftlab.ops.aft_simple import aft_simple_reference
 from aftlab.testing import assert_close
 
+OP = ("aft_simple", "aft_decay", "aft_local", "aft_conv", "aft_full")  # what the impl fixture runs
 pytestmark = pytest.mark.usefixtures("impl")
 
 B, T, d, h = 1, 7, 4, 2

@@ -15,19 +15,21 @@ def add_kernels(sub) -> None:
         cmd_kernels,
         help="compile the CPU kernels now and show which implementation each op runs",
         description="Compile the fused CPU kernels into the cache (if not there yet, or if the "
-        "cached library does not match its build record) and print, per op, the "
-        "implementation that runs on CPU tensors and why. Exit status 0 when "
-        "the kernels run, 1 when the pure-PyTorch ops run instead.",
+        "cached library does not match its build record) and print, per op and device (cpu, "
+        "cuda), the implementation that runs (cpp, triton or torch) and why. Exit status 0 "
+        "when every op runs a kernel on CPU tensors, 1 when a pure-PyTorch op runs instead.",
     )
     p.add_argument("--verbose", action="store_true", help="show the compiler's output")
 
 
 def cmd_kernels(args: argparse.Namespace) -> int:
-    """Build (if needed), then print ``<op>: <implementation> (<reason>)`` per op."""
+    """Build (if needed), then print ``<op> (<device>): <implementation> (<reason>)`` per op
+    and device."""
     from .. import kernels
 
     kernels.load(verbose=args.verbose)
-    rows = kernels.status()
-    for op, (impl, why) in rows.items():
-        print(f"{op}: {impl} ({why})")
-    return 0 if all(impl == "kernel" for impl, _ in rows.values()) else 1
+    rows = {device: kernels.status(device) for device in ("cpu", "cuda")}
+    for device, ops in rows.items():
+        for op, (impl, why) in ops.items():
+            print(f"{op} ({device}): {impl} ({why})")
+    return 0 if all(impl != "torch" for impl, _ in rows["cpu"].values()) else 1

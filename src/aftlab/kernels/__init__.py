@@ -1,24 +1,28 @@
-"""Fused C++ CPU kernels for the AFT ops, compiled on first use (see docs/kernels.md).
+"""Fused kernels for the AFT ops: C++ for CPU tensors, compiled on first use, and Triton for
+CUDA tensors (see docs/kernels.md).
 
 Each public op (:func:`aftlab.ops.aft_simple`, :func:`aftlab.ops.aft_decay`,
 :func:`aftlab.ops.aft_local`, 1-D :func:`aftlab.ops.aft_conv` and :func:`aftlab.ops.aft_full`)
-asks :func:`enabled` whether to run its kernel (``torch.ops.aftlab.*``) or its pure-PyTorch
-implementation. The kernels run when all of these hold:
+asks :func:`implementation` which implementation runs on its tensors:
 
-* they are not switched off: ``use_kernels(False)`` (a context manager, or a setter for the
-  rest of the process) or the environment variable ``AFTLAB_KERNELS=0`` (read at each call);
-* the tensors are on the CPU (CUDA keeps the PyTorch path);
-* the library compiles (or is already in the cache): a C++ compiler and ninja are present. A
-  cached library that does not match its build record, or that fails to load, is rebuilt once.
-
-When they cannot run (no compiler, a failed build, ``AFTLAB_KERNELS=0``) the PyTorch ops run,
-with one warning per process. ``status()`` says, per op, which implementation runs and why.
+* ``"torch"``, the pure-PyTorch op, when the kernels are switched off: ``use_kernels(False)``
+  (a context manager, or a setter for the rest of the process) or ``AFTLAB_KERNELS=0`` (read at
+  each call);
+* ``"triton"`` (:mod:`.triton`) for an op with a Triton kernel (:data:`.triton.OPS`) on CUDA
+  tensors, when triton imports; on any device with ``AFTLAB_KERNELS=triton`` or
+  ``use_kernels("triton")`` (CPU tensors then need Triton's interpreter,
+  ``TRITON_INTERPRET=1``: the tests);
+* ``"cpp"`` on CPU tensors when the C++ library compiles (or is already in the cache): a C++
+  compiler and ninja are present. A cached library that does not match its build record, or
+  that fails to load, is rebuilt once;
+* ``"torch"`` otherwise (no compiler, a failed build, CUDA without triton, another device), with
+  one warning per process and reason. ``status(device)`` says, per op, what runs and why.
 
 One module per C++ source, with its ops' callers (its ``__all__``, what the ops call), fakes
 and autograd: :mod:`.scan` (``csrc/scan.cpp``), :mod:`.band` (``band.cpp``), :mod:`.full`
 (``full.cpp``), :mod:`.rwkv4` (``rwkv4.cpp``: RWKV-4's decoding step, which
 :class:`aftlab.models.RWKV4LM` runs); :mod:`._common` what they share, :mod:`._build` the build
-and cache.
+and cache; :mod:`.triton` the Triton kernels, whose ops share the callers of the C++ ones.
 """
 
 from __future__ import annotations
@@ -33,16 +37,19 @@ from pathlib import Path
 import torch
 
 from .._system import env_off
-from . import _build, band, full, rwkv4, scan
+from . import _build, band, full, rwkv4, scan, triton
 
 __all__ = [
-    "use_kernels", "enabled", "load", "status", "OPS", "band", "full", "rwkv4", "scan"
+    "use_kernels", "enabled", "implementation", "load", "status", "OPS", "IMPLEMENTATIONS",
+    "band", "full", "rwkv4", "scan", "triton",
 ]
 
 #: The public ops that have a kernel.
 OPS = ("aft_simple", "aft_decay", "aft_local", "aft_conv", "aft_full")
+#: What :func:`implementation` returns.
+IMPLEMENTATIONS = ("cpp", "triton", "torch")
 
-_forced: bool | None = None  # set by use_kernels
+_forced: bool | str | None = None  # set by use_kernels
 _loaded: bool | None = None  # None: not tried yet
 _error: str = ""  # why the kernels could not be loaded
 _warned: set[str] = set()
@@ -104,16 +111,21 @@ def _load_library(lib: Path, verbose: bool) -> None:
 
 
 @contextlib.contextmanager
-def use_kernels(on: bool | None) -> Iterator[None]:
-    """Force the kernels on (``True``, an error if they cannot load), off (``False``), or back
-    to automatic (``None``) inside a ``with`` block::
+def use_kernels(on: bool | str | None) -> Iterator[None]:
+    """Force the C++ kernels on (``True``, an error if they cannot load), the Triton kernels
+    (``"triton"``, for the ops that have one, on any device; as ``AFTLAB_KERNELS=triton``),
+    everything off (``False``), or back to automatic (``None``) inside a ``with`` block::
 
         with aftlab.kernels.use_kernels(False):
             y = aft_simple(q, k, v)   # the pure-PyTorch op
     """
     global _forced
-    if on and not load():
+    if on not in (True, False, None, "triton"):
+        raise ValueError(f"use_kernels: expected True, False, None or 'triton', got {on!r}")
+    if on is True and not load():
         raise RuntimeError(f"aftlab kernels requested but unavailable: {_error}")
+    if on == "triton" and not triton.load():
+        raise RuntimeError(f"aftlab Triton kernels requested but unavailable: {triton.error()}")
     before, _forced = _forced, on
     try:
         yield
@@ -122,8 +134,9 @@ def use_kernels(on: bool | None) -> Iterator[None]:
 
 
 def _kernels_on() -> bool:
+    """Whether the C++ kernels run on CPU tensors."""
     if _forced is not None:
-        return _forced
+        return _forced is not False
     if env_off("AFTLAB_KERNELS"):
         _warn_once("AFTLAB_KERNELS=0")
         return False
@@ -140,20 +153,83 @@ def _kernels_on_traced() -> bool:
 
 
 def enabled(*tensors: torch.Tensor) -> bool:
-    """Whether an op on ``tensors`` runs its kernel (CPU tensors, kernels on and loaded)."""
+    """Whether the C++ kernels run on ``tensors`` (CPU tensors, kernels on and loaded): what
+    the kernels without a Triton twin ask (RWKV-4's decoding step)."""
     if any(t.device.type != "cpu" for t in tensors):
         return False
     return _kernels_on_traced()
 
 
-def status() -> dict[str, tuple[str, str]]:
-    """``{op: (implementation, reason)}`` for CPU tensors, building the kernels if needed."""
+def _triton_forced() -> bool:
+    if _forced is not None:
+        return _forced == "triton"
+    return os.environ.get("AFTLAB_KERNELS", "").strip().lower() == "triton"
+
+
+def _choose(op: str, device: str) -> tuple[str, str]:
+    """``(implementation, reason)`` of ``op`` on a tensor of ``device`` (a device type)."""
+    if op not in OPS:
+        raise ValueError(f"implementation: 'op' must be one of {', '.join(OPS)}, got {op!r}")
     if _forced is False:
-        impl, why = "pytorch", "switched off by use_kernels(False)"
-    elif _forced is None and env_off("AFTLAB_KERNELS"):
-        impl, why = "pytorch", "switched off by AFTLAB_KERNELS=0"
-    elif load():
-        impl, why = "kernel", f"compiled library {_build.library_path()}"
-    else:
-        impl, why = "pytorch", _error
-    return {op: (impl, why) for op in OPS}
+        return "torch", "switched off by use_kernels(False)"
+    if _forced is None and env_off("AFTLAB_KERNELS"):
+        return "torch", "switched off by AFTLAB_KERNELS=0"
+    forced = _triton_forced()
+    if op in triton.OPS and (forced or device == "cuda"):
+        if triton.load():
+            import triton as tr
+
+            if device == "cpu" and not triton.interpreting():
+                return "torch", (
+                    "the Triton kernels on CPU tensors need Triton's interpreter: set "
+                    "TRITON_INTERPRET=1 before the first op runs"
+                )
+            how = "interpreter" if triton.interpreting() else "compiled"
+            return "triton", f"triton {tr.__version__}, {how}"
+        if forced:
+            return "torch", f"Triton kernels requested but unavailable: {triton.error()}"
+        return "torch", triton.error()
+    if device == "cuda":
+        return "torch", f"no Triton kernel for {op} yet"
+    if device != "cpu":
+        return "torch", f"no kernel for {device} tensors"
+    if load():
+        return "cpp", f"compiled library {_build.library_path()}"
+    return "torch", _error
+
+
+@torch.compiler.assume_constant_result
+def _implementation_traced(op: str, device: str) -> str:
+    # torch.compile evaluates this once while tracing and keeps the answer in the graph.
+    return _implementation(op, device)
+
+
+def _implementation(op: str, device: str) -> str:
+    impl, why = _choose(op, device)
+    if impl == "torch" and not why.startswith("switched off by use_kernels"):
+        if _triton_forced() and op in triton.OPS:
+            raise RuntimeError(f"aftlab: {op}: {why}")
+        if why.startswith("no kernel for"):
+            return impl  # meta tensors and the like: nothing to warn about
+        _warn_once(why.removeprefix("switched off by "))
+    return impl
+
+
+def implementation(op: str, *tensors: torch.Tensor) -> str:
+    """Which implementation ``op`` (one of :data:`OPS`) runs on ``tensors``: ``"triton"``,
+    ``"cpp"`` or ``"torch"`` (see the module docstring), building or importing the kernels on
+    first use.
+
+    Raises:
+        ValueError: an unknown ``op``.
+        RuntimeError: the Triton kernels are forced (``AFTLAB_KERNELS=triton``) and cannot run:
+            triton does not import, or CPU tensors without ``TRITON_INTERPRET=1``.
+    """
+    device = tensors[0].device.type if tensors else "cpu"
+    return _implementation_traced(op, device)
+
+
+def status(device: str = "cpu") -> dict[str, tuple[str, str]]:
+    """``{op: (implementation, reason)}`` for tensors of ``device`` (``"cpu"`` or ``"cuda"``),
+    building or importing the kernels if needed."""
+    return {op: _choose(op, device) for op in OPS}

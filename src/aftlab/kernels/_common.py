@@ -23,7 +23,7 @@ def needs_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def register_autograd(name: str, backward, setup) -> None:
+def register_autograd(name: str, backward, setup, what: str = "C++ kernel") -> None:
     """Register ``backward`` for ``aftlab::name``, differentiable once (the backward kernels
     have no derivative of their own; a second derivative raises, see :mod:`aftlab._autograd`)."""
-    register_autograd_once("aftlab::" + name, backward, setup, what="C++ kernel")
+    register_autograd_once("aftlab::" + name, backward, setup, what=what)

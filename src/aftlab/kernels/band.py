@@ -12,8 +12,10 @@ sums are folded in the same pass)::
 * aft-conv: ``w (1, h, s)`` (one Toeplitz kernel per head), ``lo = hi = s // 2``
   (causal: ``lo = s - 1, hi = 0``); keys with one channel per head are read once per head.
 
-The library must be loaded (:func:`aftlab.kernels.load`); inputs are validated by the public
-ops. float16/bfloat16 are computed in float32 and returned in their dtype.
+``backend="triton"`` runs the same band on the Triton kernels
+(:func:`aftlab.kernels.triton.band.band`). The backend must be loaded
+(:func:`aftlab.kernels.load`, :func:`aftlab.kernels.triton.load`); inputs are validated by the
+public ops. float16/bfloat16 are computed in float32 and returned in their dtype.
 """
 
 from __future__ import annotations
@@ -51,8 +53,12 @@ def register() -> None:
     register_autograd("band", backward_band, setup_band)
 
 
-def _band(q, k, v, w, lo: int, hi: int, causal: bool, padding_mask):
+def _band(q, k, v, w, lo: int, hi: int, causal: bool, padding_mask, backend: str):
     """``q, v (B, T, D)``, ``k (B, T, D or G)``, ``w (1 or T, G, lo + hi + 1)``."""
+    if backend == "triton":
+        from .triton.band import band
+
+        return band(q, k, v, w, lo, hi, causal, padding_mask)
     out_dtype = q.dtype
     if out_dtype in LOW:
         q, k, v = q.float(), k.float(), v.float()
@@ -61,7 +67,8 @@ def _band(q, k, v, w, lo: int, hi: int, causal: bool, padding_mask):
     return y.to(out_dtype)
 
 
-def local(q, k, v, w_band, window: int, *, causal: bool = False, padding_mask=None):
+def local(q, k, v, w_band, window: int, *, causal: bool = False, padding_mask=None,
+          backend: str = "cpp"):
     """Kernel of :func:`aftlab.ops.aft_local.aft_local_band`: the same arguments, shapes and
     result (inputs already validated there); ``window == 0`` runs as AFT-simple."""
     T = q.shape[1]
@@ -72,10 +79,10 @@ def local(q, k, v, w_band, window: int, *, causal: bool = False, padding_mask=No
         w, lo, hi = q.new_zeros(1, 1, 1), 0, 0
     else:
         w, lo, hi = w_band[:, None, :], s - 1, (0 if causal else s - 1)
-    return _band(q, k, v, w, lo, hi, bool(causal), padding_mask)
+    return _band(q, k, v, w, lo, hi, bool(causal), padding_mask, backend)
 
 
-def conv1d(q, k, v, w, *, causal: bool = False, padding_mask=None):
+def conv1d(q, k, v, w, *, causal: bool = False, padding_mask=None, backend: str = "cpp"):
     """Kernel of 1-D :func:`aftlab.ops.aft_conv.aft_conv`: the same arguments, shapes and
     result (inputs already validated there): ``q, v (B, T, h, c)``, ``k (B, T, h, 1 or c)``,
     ``w (h, s)``."""
@@ -97,5 +104,6 @@ def conv1d(q, k, v, w, *, causal: bool = False, padding_mask=None):
         hi,
         bool(causal),
         padding_mask,
+        backend,
     )
     return y.view(B, T, h, c)

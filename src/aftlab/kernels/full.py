@@ -50,9 +50,14 @@ def register() -> None:
     register_autograd("full", backward_full, setup_full)
 
 
-def aft_full(q, k, v, w, *, causal: bool, padding_mask, block: int):
+def aft_full(q, k, v, w, *, causal: bool, padding_mask, block: int, backend: str = "cpp"):
     """Kernel of :func:`aftlab.ops.aft_full` (inputs already validated, ``T >= 1``); ``block``:
-    query rows per causal block."""
+    query rows per causal block (C++). ``backend="triton"``: the band kernels over the whole
+    sequence (:func:`aftlab.kernels.triton.band.full`)."""
+    if backend == "triton":
+        from .triton.band import full
+
+        return full(q, k, v, w, bool(causal), padding_mask)
     out_dtype = q.dtype
     cdt = torch.float32 if out_dtype in LOW else out_dtype
     T = q.shape[1]

@@ -497,8 +497,10 @@ def _aft_conv(q, k, v, w, *, causal: bool, padding_mask):
     s = w.shape[-1]
     if q.numel() == 0:  # no batch, positions, heads or channels
         return _empty(q, k, v, w)
-    if kernels.enabled(q):
-        return kernels.band.conv1d(q, k, v, w, causal=causal, padding_mask=padding_mask)
+    impl = kernels.implementation("aft_conv", q)
+    if impl != "torch":
+        return kernels.band.conv1d(q, k, v, w, causal=causal, padding_mask=padding_mask,
+                                   backend=impl)
     mask = None if padding_mask is None else padding_mask[:, None]
     y = _conv(q[:, None], k[:, None], v[:, None], w, mask, s, causal=bool(causal), two_d=False)
     return y[:, 0]

@@ -112,8 +112,10 @@ def _aft_decay(q, k, v, decay, bonus, *, padding_mask, initial_state=None, retur
     if check_state_keywords("aft_decay", True, initial_state, return_state, cu_seqlens):
         if initial_state is not None and check_state:
             check_running_sums("aft_decay", initial_state, q)
-        if _carry_in_kernel(q, k, v, decay, bonus, padding_mask, initial_state, cu_seqlens):
-            y, state = kernels.scan.aft_decay_state(q, k, v, decay, bonus, initial_state)
+        impl = _carry_in_kernel(q, k, v, decay, bonus, padding_mask, initial_state, cu_seqlens)
+        if impl:
+            y, state = kernels.scan.aft_decay_state(q, k, v, decay, bonus, initial_state,
+                                                    backend=impl)
             return (y, state) if return_state else y
 
         def core(q, k, v, mask):
@@ -124,21 +126,26 @@ def _aft_decay(q, k, v, decay, bonus, *, padding_mask, initial_state=None, retur
             initial_state=initial_state, return_state=return_state, cu_seqlens=cu_seqlens,
             check_state=False,  # checked above
         )
-    if kernels.enabled(q, decay, bonus):
-        return kernels.scan.aft_decay(q, k, v, decay, bonus, padding_mask=padding_mask)
+    impl = kernels.implementation("aft_decay", q, decay, bonus)
+    if impl != "torch":
+        return kernels.scan.aft_decay(q, k, v, decay, bonus, padding_mask=padding_mask,
+                                      backend=impl)
     return _aft_decay_torch(q, k, v, decay, bonus, padding_mask=padding_mask)
 
 
-def _carry_in_kernel(q, k, v, decay, bonus, padding_mask, state, cu_seqlens) -> bool:
-    """Whether a call with a state runs the kernel that carries it (one pass, no virtual token
-    and no second reduction for the state after): CPU kernels, one sequence without padding,
-    and no gradient to take (the kernel has no backward for the state)."""
-    if padding_mask is not None or cu_seqlens is not None or not kernels.enabled(q, decay, bonus):
-        return False
+def _carry_in_kernel(q, k, v, decay, bonus, padding_mask, state, cu_seqlens) -> str:
+    """The kernel (``"cpp"``, ``"triton"``) that runs a call with a state in one pass (no
+    virtual token and no second reduction for the state after), or ``""``: one sequence without
+    padding, and no gradient to take (the kernels have no backward for the state)."""
+    if padding_mask is not None or cu_seqlens is not None:
+        return ""
     tensors = [q, k, v, decay, bonus]
     if state is not None:
         tensors += [state.a, state.b, state.p]
-    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return ""
+    impl = kernels.implementation("aft_decay", q, decay, bonus)
+    return "" if impl == "torch" else impl
 
 
 def _aft_decay_torch(q, k, v, decay, bonus, *, padding_mask):

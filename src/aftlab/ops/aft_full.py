@@ -104,10 +104,12 @@ def _aft_full(q, k, v, w, *, causal: bool, padding_mask):
     T = q.shape[1]
     if T == 0:
         return q * 0.0  # empty, still connected to the graph
-    if q.numel() and kernels.enabled(q):
+    impl = kernels.implementation("aft_full", q) if q.numel() else "torch"
+    if impl != "torch":
         block = causal_block_size(T, _KERNEL_CAUSAL_BLOCK)
         return kernels.full.aft_full(
-            q, k, v, w, causal=bool(causal), padding_mask=padding_mask, block=block
+            q, k, v, w, causal=bool(causal), padding_mask=padding_mask, block=block,
+            backend=impl,
         )
     return _aft_full_torch(q, k, v, w, causal=causal, padding_mask=padding_mask)
 

@@ -194,8 +194,10 @@ def _aft_local_band(q, k, v, w_band, window: int, *, causal: bool, padding_mask)
     """:func:`aft_local_band` without the checks (the mixer's call: its input is validated)."""
     if q.shape[1] == 0:
         return q * 0.0  # empty, still connected to the graph
-    if kernels.enabled(q):
-        return kernels.band.local(q, k, v, w_band, window, causal=causal, padding_mask=padding_mask)
+    impl = kernels.implementation("aft_local", q)
+    if impl != "torch":
+        return kernels.band.local(q, k, v, w_band, window, causal=causal,
+                                  padding_mask=padding_mask, backend=impl)
     return _aft_local_torch(q, k, v, w_band, window, causal=causal, padding_mask=padding_mask)
 
 

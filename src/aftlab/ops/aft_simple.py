@@ -12,7 +12,8 @@ future keys). Time and memory ``O(B T d)``.
 
 On CPU tensors the op runs the fused C++ kernel ``torch.ops.aftlab.simple_causal`` /
 ``simple_global`` (one pass over T forward, one reverse pass backward; :mod:`aftlab.kernels`)
-when it is available, else the PyTorch implementation below; both compute the same formula.
+when it is available, on CUDA tensors its Triton twin (``triton_simple_causal``, ...), else the
+PyTorch implementation below; all compute the same formula.
 
 Causal, the op continues a :class:`~aftlab.ops.state.RunningSums` (``initial_state``), returns
 the one after its last position (``return_state``) and restarts at the documents of
@@ -89,8 +90,10 @@ def _aft_simple(q, k, v, *, causal: bool, padding_mask, initial_state=None, retu
             initial_state=initial_state, return_state=return_state, cu_seqlens=cu_seqlens,
             check_state=check_state,
         )
-    if kernels.enabled(q):
-        return kernels.scan.aft_simple(q, k, v, causal=causal, padding_mask=padding_mask)
+    impl = kernels.implementation("aft_simple", q)
+    if impl != "torch":
+        return kernels.scan.aft_simple(q, k, v, causal=causal, padding_mask=padding_mask,
+                                       backend=impl)
     return _aft_simple_torch(q, k, v, causal=causal, padding_mask=padding_mask)
 
 
