@@ -319,18 +319,21 @@ def band(q, k, v, w, lo: int, hi: int, causal: bool, padding_mask):
     # The prefix and suffix sums in float64, as the band's exponents: their log-sums reach
     # keys of any size (near 1e4, a float32 log-sum is 1e-3 off).
     k64, v64 = k.double(), v.double()
-    s = lo + 1  # the prefix of query t: keys t' <= t - s
-    L, A = _stable_prefix_average(k64, v64)
-    A = A.to(cdt)
-    lp = torch.cat([L.new_full((B, min(s, T), D), float("-inf")), L[:, : max(T - s, 0)]], 1)
-    ap = torch.cat([A.new_zeros(B, min(s, T), D), A[:, : max(T - s, 0)]], 1)
+    s = lo + 1  # the prefix of query t: keys t' <= t - s (none when s >= T: aft-full)
+    if s < T:
+        L, A = _stable_prefix_average(k64, v64)
+        A = A.to(cdt)
+        lp = torch.cat([L.new_full((B, s, D), float("-inf")), L[:, : T - s]], 1)
+        ap = torch.cat([A.new_zeros(B, s, D), A[:, : T - s]], 1)
+    else:
+        lp, ap = k64.new_full((B, T, D), float("-inf")), k.new_zeros(B, T, D)
     ls = a_s = None
-    if not causal:  # the suffix of query t: keys t' >= t + hi + 1
+    if not causal and hi + 1 < T:  # the suffix of query t: keys t' >= t + hi + 1
         r = hi + 1
         L, A = _stable_prefix_average(k64, v64, reverse=True)
         A = A.to(cdt)
-        ls = torch.cat([L[:, r:], L.new_full((B, min(r, T), D), float("-inf"))], 1)
-        a_s = torch.cat([A[:, r:], A.new_zeros(B, min(r, T), D)], 1)
+        ls = torch.cat([L[:, r:], L.new_full((B, r, D), float("-inf"))], 1)
+        a_s = torch.cat([A[:, r:], A.new_zeros(B, r, D)], 1)
     y, _ = torch.ops.aftlab.triton_band_core(k, v, w, lp, ap, ls, a_s, lo, hi)
     return (torch.sigmoid(q) * y).to(out_dtype)
 
