@@ -41,6 +41,15 @@ SCHEMAS = {
 
 # ---------------------------------------------------------------------------- aft-simple
 @triton.jit
+def _block(B, D, BB: tl.constexpr, BD: tl.constexpr):
+    """This program's sequences ``b (BB, 1)`` (int64 offsets), channels ``c (1, BD)`` and
+    their in-range mask ``(BB, BD)``."""
+    b = (tl.program_id(0) * BB + tl.arange(0, BB)[:, None]).to(tl.int64)
+    c = tl.program_id(1) * BD + tl.arange(0, BD)[None, :]
+    return b, c, (b < B) & (c < D)
+
+
+@triton.jit
 def _fold(k, vs, valid, m, n, s, vm):
     """Fold key ``k`` (scaled value ``vs``) into ``(m, n, s)`` and ``vm`` where ``valid``, with
     one exponential of ``-|k - m|``; also the new key's weight ``w`` (1 or that exponential)."""
@@ -60,9 +69,7 @@ def _fold(k, vs, valid, m, n, s, vm):
 def _simple_causal_fwd(Q, K, V, M, Y, R, B, T, D, sc, unsc, LOWEST: tl.constexpr,
                        HAS_MASK: tl.constexpr, SAVE: tl.constexpr, BB: tl.constexpr,
                        BD: tl.constexpr):
-    b = (tl.program_id(0) * BB + tl.arange(0, BB)[:, None]).to(tl.int64)
-    c = tl.program_id(1) * BD + tl.arange(0, BD)[None, :]
-    cm = (b < B) & (c < D)
+    b, c, cm = _block(B, D, BB, BD)
     dt = Y.dtype.element_ty
     m = tl.full([BB, BD], LOWEST, dt)  # the lowest finite number: no key yet
     n = tl.zeros([BB, BD], dt)
@@ -89,9 +96,7 @@ def _simple_causal_bwd(G, Q, V, Y, R, DQ, DK, DV, B, T, D, BB: tl.constexpr,
                        BD: tl.constexpr):
     # P^A_t = h_t + (1 - r_{t+1}) P^A_{t+1}, P^e_t = -g_t y_t + (1 - r_{t+1}) P^e_{t+1},
     # h = g sigma(q); dv = r P^A, dk = r (P^e + v P^A), dq = g y (1 - sigma(q)).
-    b = (tl.program_id(0) * BB + tl.arange(0, BB)[:, None]).to(tl.int64)
-    c = tl.program_id(1) * BD + tl.arange(0, BD)[None, :]
-    cm = (b < B) & (c < D)
+    b, c, cm = _block(B, D, BB, BD)
     dt = Y.dtype.element_ty
     pa = tl.zeros([BB, BD], dt)
     pe = tl.zeros([BB, BD], dt)
@@ -116,9 +121,7 @@ def _simple_global_fwd(Q, K, V, M, Y, S3, B, T, D, sc, unsc, LOWEST: tl.constexp
                        HAS_MASK: tl.constexpr, BB: tl.constexpr, BD: tl.constexpr):
     # Pass 1 folds every valid key into (m, n, s); pass 2 writes y = sigma(q) A, A = n / s.
     # S3 (3, B, d) = (m, s, A) for the backward.
-    b = (tl.program_id(0) * BB + tl.arange(0, BB)[:, None]).to(tl.int64)
-    c = tl.program_id(1) * BD + tl.arange(0, BD)[None, :]
-    cm = (b < B) & (c < D)
+    b, c, cm = _block(B, D, BB, BD)
     dt = Y.dtype.element_ty
     m = tl.full([BB, BD], LOWEST, dt)
     n = tl.zeros([BB, BD], dt)
@@ -147,9 +150,7 @@ def _simple_global_bwd(G, Q, K, V, S3, M, DQ, DK, DV, B, T, D, HAS_MASK: tl.cons
                        BB: tl.constexpr, BD: tl.constexpr):
     # H = sum_t g_t sigma(q_t); rho_t = exp(k_t - m) / s (0 if padded);
     # dv = rho H, dk = rho (v - A) H, dq = g A sigma (1 - sigma).
-    b = (tl.program_id(0) * BB + tl.arange(0, BB)[:, None]).to(tl.int64)
-    c = tl.program_id(1) * BD + tl.arange(0, BD)[None, :]
-    cm = (b < B) & (c < D)
+    b, c, cm = _block(B, D, BB, BD)
     m = tl.load(S3 + b * D + c, mask=cm, other=0.0)
     s = tl.load(S3 + (B + b) * D + c, mask=cm, other=0.0)
     avg = tl.load(S3 + (2 * B + b) * D + c, mask=cm, other=0.0)
@@ -185,9 +186,7 @@ def _decay_fwd(Q, K, V, LAM, U, M, Y, R, W, S0, S1, B, T, D, sc, unsc,
     # (k - m')/4 = dd + (age + 1) lambda/4.
     # S0/S1 (3, B, d) = (a, b, p): the state continued (anchor p, age 0, n = a 2^-e, s = b) and
     # the state after the last token (p = 4 (ka/4 - age lambda/4), a = n 2^e).
-    b = (tl.program_id(0) * BB + tl.arange(0, BB)[:, None]).to(tl.int64)
-    c = tl.program_id(1) * BD + tl.arange(0, BD)[None, :]
-    cm = (b < B) & (c < D)
+    b, c, cm = _block(B, D, BB, BD)
     dt = Y.dtype.element_ty
     lam4 = 0.25 * tl.load(LAM + c, mask=c < D, other=0.0)
     u4 = 0.25 * tl.load(U + c, mask=c < D, other=0.0)
@@ -256,9 +255,7 @@ def _decay_bwd(G, Q, V, Y, R, W, DQ, DK, DV, DLAM, DU, B, T, D, BB: tl.constexpr
     #   Q_t = G_{t+1} (Q_{t+1} + P_{t+1})                 (offset-weighted, for dlambda)
     #   dv = h w + r P^A,  dk = w (h v - g y) + r (P^e + v P^A),  du = sum w (h v - g y),
     #   dlambda = -sum r (v Q^A + Q^e),  dq = g y (1 - sigma(q)).
-    b = (tl.program_id(0) * BB + tl.arange(0, BB)[:, None]).to(tl.int64)
-    c = tl.program_id(1) * BD + tl.arange(0, BD)[None, :]
-    cm = (b < B) & (c < D)
+    b, c, cm = _block(B, D, BB, BD)
     dt = Y.dtype.element_ty
     pa = tl.zeros([BB, BD], dt)
     pe = tl.zeros([BB, BD], dt)
