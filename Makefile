@@ -11,7 +11,7 @@ VENV ?= .venv
 # the CPU wheel; an unpinned torch pulls a multi-GB CUDA build
 TORCH ?= torch==2.13.0
 # the main job (one line to change: the mixers, the budget, the sample's length; docs/results.md)
-DEMO ?= aftlab compare --mixers attention,aft-local,aft-decay --set lr=4e-3 --steps 500 --sample 300
+DEMO ?= aftlab compare --mixers attention,aft-local,aft-decay --set lr=4e-3 --steps 500 --sample 300 --decode-positions 4096,65536
 
 BIN := $(abspath $(VENV))/bin
 RUN := PATH="$(BIN):$$PATH"

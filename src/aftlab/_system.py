@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import platform
 import resource
@@ -13,6 +14,7 @@ import torch
 
 __all__ = [
     "available_memory",
+    "format_bytes",
     "env_off",
     "machine_info",
     "memory_baseline",
@@ -21,6 +23,14 @@ __all__ = [
     "proc_bytes",
     "proc_field",
 ]
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes in B, KiB, MiB or GiB, 3 significant digits: ``"96 KiB"``, ``"1.5 MiB"``."""
+    exp = min(int(math.log(n, 1024)), 3) if n >= 1 else 0
+    x = n / 1024**exp
+    text = f"{x:.3g}"
+    return f"{text if 'e' not in text else f'{x:,.0f}'} {('B', 'KiB', 'MiB', 'GiB')[exp]}"
 
 
 def proc_field(path: str, key: str) -> str:

@@ -8,11 +8,13 @@ import json
 import pytest
 import torch
 
+from aftlab._state import state_bytes
+from aftlab._system import format_bytes as size
 from aftlab.bench import BenchConfig, Shape, cases, run_bench
 from aftlab.bench.cases import MATMUL, decoding_mixer
 from aftlab.bench.measure import tensor_bytes
-from aftlab.bench.report import size, state_table
-from aftlab.bench.states import state_bytes, state_sizes
+from aftlab.bench.report import state_table
+from aftlab.bench.states import state_sizes
 from aftlab.cli import main as aftlab_main
 from aftlab.mixers import registry
 from aftlab.mixers.base import SequenceMixer

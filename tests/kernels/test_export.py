@@ -1,5 +1,6 @@
-"""torch.export traces through every kernel op: the exported program calls the ``aftlab::`` op
-(no graph break, no fallback to the PyTorch composition) and gives the eager result."""
+"""torch.export traces through every kernel op, C++ and Triton: the exported program calls the
+``aftlab::`` op (no graph break, no fallback to the PyTorch composition) and gives the eager
+result. The Triton ops run through Triton's interpreter on CPU (tests/conftest.py)."""
 
 import pytest
 import torch
@@ -7,10 +8,6 @@ import torch
 from aftlab import kernels
 from aftlab.ops import aft_conv, aft_decay, aft_full, aft_simple
 from aftlab.ops.aft_local import aft_local_band
-
-needs_kernels = pytest.mark.skipif(
-    not kernels.load(), reason=f"kernels unavailable: {kernels.status()['aft_simple'][1]}"
-)
 
 B, T, d, h, s = 2, 19, 6, 2, 5
 CASES = {
@@ -47,12 +44,22 @@ class _Op(torch.nn.Module):
         return self.fn(q, k, v)
 
 
-@needs_kernels
+#: the Triton op each case's C++ op stands for (the band's core takes aft-full too)
+TRITON = {"band": "triton_band_core", "full": "triton_band_core"}
+
+
+@pytest.mark.parametrize("backend", ["cpp", "triton"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_export_calls_the_kernel_and_equals_eager(name):
+def test_export_calls_the_kernel_and_equals_eager(name, backend):
+    if backend == "cpp" and not kernels.load():
+        pytest.skip(f"kernels unavailable: {kernels.status()['aft_simple'][1]}")
+    if backend == "triton" and not kernels.triton.load():
+        pytest.skip(f"Triton kernels unavailable: {kernels.triton.error()}")
     fn, op = CASES[name]
+    if backend == "triton":
+        op = TRITON.get(op, f"triton_{op}")
     q, k, v = (torch.randn(B, T, d) for _ in range(3))
-    with kernels.use_kernels(True):
+    with kernels.use_kernels(True if backend == "cpp" else "triton"):
         program = torch.export.export(_Op(fn), (q, k, v))
         eager = fn(q, k, v)
     targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}

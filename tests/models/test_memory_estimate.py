@@ -49,6 +49,8 @@ VARIANTS = [
     {},
     {"bias": False, "tie_embeddings": False, "positional": "none", "norm": "none", "d_ff": 24},
     {"positional": "sinusoidal", "norm": "post", "final_norm": False},
+    {"d_ff": 0},  # no feed-forward, and so no second norm
+    {"d_ff": 0, "norm": "none"},
 ]
 
 
@@ -190,7 +192,8 @@ def test_available_memory_honours_ulimit_v(monkeypatch):
 @pytest.mark.parametrize("size", [2**63, 10**22])
 @pytest.mark.parametrize("field", ["d_model", "n_layers", "d_ff", "max_seq_len"])
 def test_a_size_no_tensor_can_have_is_refused_by_the_config(field, size):
-    with pytest.raises(ValueError, match=f"'{field}' must be a positive int below 2\\*\\*63"):
+    kind = "non-negative" if field == "d_ff" else "positive"  # d_ff = 0: no feed-forward
+    with pytest.raises(ValueError, match=f"'{field}' must be a {kind} int below 2\\*\\*63"):
         TransformerConfig(**{**SMALL, field: size})
 
 

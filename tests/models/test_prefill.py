@@ -80,9 +80,11 @@ def test_prefill_state_equals_steps(name, T):
         ("aft-full", dict(mixer_options={"bias_rank": None})),
         ("attention", dict(positional="rotary", head_dim=6)),  # rotated keys in the cache
         ("attention-naive", dict(positional="sinusoidal", norm="post", final_norm=False)),
+        ("aft-decay", dict(d_ff=0)),  # no feed-forward: the mixer's branch alone
+        ("attention", dict(d_ff=0, norm="post")),
     ],
     ids=["local-w0", "local-w40", "local-full-bias", "conv-k8", "full-full-bias", "rotary",
-         "naive-post-ln"],
+         "naive-post-ln", "decay-no-ff", "attention-no-ff-post-ln"],
 )
 @pytest.mark.parametrize("T", [7, 33])
 def test_prefill_state_equals_steps_variants(name, kw, T):

@@ -190,6 +190,17 @@ def test_block_formula(norm):
     assert_close("block output", block(x), expected)
 
 
+@pytest.mark.parametrize("norm", ["pre", "post", "none"])
+def test_a_block_without_feed_forward_is_its_mixer_branch(norm):
+    """``d_ff = 0`` (Zoology's MQAR models): no feed-forward and no second norm."""
+    block = TransformerBlock(_cfg(norm=norm, d_ff=0)).double().eval()
+    assert block.ff is None and block.norm2 is None
+    assert not [n for n, _ in block.named_parameters() if not n.startswith(("mixer.", "norm1."))]
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    h = block.norm1(x + block.mixer(x)) if norm == "post" else x + block.mixer(block.norm1(x))
+    assert_close("block output", block(x), h)
+
+
 def test_feedforward_activations():
     x = torch.randn(4, 16, dtype=torch.float64)
     for act, fn in [

@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from aftlab.cli import main
-from aftlab.train.compare import format_table, unigram_baseline
+from aftlab.train.compare import format_decoding_table, format_table, unigram_baseline
 
 from .helpers import TINY, write_text
 from .test_compare_outcomes import child  # noqa: F401 (a fixture)
@@ -158,3 +158,22 @@ def test_the_rate_is_chosen_on_the_summaries_validation_metric(tmp_path, monkeyp
     assert main(args) == 0
     assert json.loads((out / "results.json").read_text()) == results
     assert json.loads((old / "val.json").read_text())["bpb"] == direct[3e-2]
+
+
+def test_format_decoding_table():
+    rows = [
+        {"mixer": m, "position": p, "state_bytes": b, "ms_per_token": t, "ms_min": t,
+         "threads": 2}
+        for m, p, b, t in [
+            ("attention", 4096, 2**22, 1.5), ("attention", 65536, 2**26, 9.25),
+            ("aft-decay", 4096, 3 * 2**10, 0.5), ("aft-decay", 65536, 3 * 2**10, 0.5),
+        ]
+    ]
+    text = format_decoding_table(rows).splitlines()
+    assert text[0].startswith("Decoding one sequence on this machine") and "2 threads" in text[0]
+    assert text[2:] == [
+        "| mixer | state at 4,096 | state at 65,536 | ms/token at 4,096 | ms/token at 65,536 |",
+        "|---|---:|---:|---:|---:|",
+        "| attention | 4 MiB | 64 MiB | 1.50 | 9.25 |",
+        "| aft-decay | 3 KiB | 3 KiB | 0.50 | 0.50 |",
+    ]

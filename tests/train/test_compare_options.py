@@ -131,6 +131,43 @@ def test_seed_statistics_and_table(fake, tmp_path):
     assert csv[0].startswith("mixer,parameters,d_ff,lr,") and csv[1].startswith("attention,")
 
 
+def test_the_regime_line_and_the_decoding_table_follow_the_table(fake, tmp_path):
+    fake("bpb", {2e-3: 1.0}, {2e-3: 1.0})
+    out = tmp_path / "cmp"
+    text = compare.run_compare(
+        _base(), ["attention", "aft-decay"], out, decode_positions=[100, 40]
+    ).splitlines()
+    regime = "The table ranks the models after 3 steps of 16 x 16 = 768 training tokens at context"
+    at = next(i for i, line in enumerate(text) if line.startswith(regime))
+    assert text[at - 2].startswith("| (unigram baseline) |")
+    head = "| mixer | state at 40 | state at 100 | ms/token at 40 | ms/token at 100 |"
+    assert text[at + 4] == head
+    rows = json.loads((out / "results.json").read_text())["decoding"]
+    assert [(r["mixer"], r["position"]) for r in rows] == [
+        ("attention", 40), ("attention", 100), ("aft-decay", 40), ("aft-decay", 100)
+    ]
+    kv = {r["position"]: r["state_bytes"] for r in rows if r["mixer"] == "attention"}
+    assert kv == {p: 2 * 2 * 16 * p * 4 for p in (40, 100)}  # k, v x 2 layers x d x P x fp32
+    assert all(r["ms_per_token"] > 0 for r in rows)
+    md = (out / "results.md").read_text()
+    assert regime in md and "| aft-decay | " in md.split("Decoding one sequence")[1]
+
+
+def test_decode_positions_need_a_language_model_task():
+    task = SimpleNamespace(kind="classify", name="digits-classify")
+    with pytest.raises(UsageError, match="needs a causal language-model task, got 'digits-"):
+        compare.check_decode_positions([8], task)
+    assert compare.check_decode_positions([64, 8], _task("bpb")) == [8, 64]
+
+
+def test_without_decode_positions_no_decoding_is_measured(fake, tmp_path, monkeypatch):
+    fake("bpb", {2e-3: 1.0}, {2e-3: 1.0})
+    monkeypatch.setattr(compare, "_decoding_rows", lambda plan: pytest.fail("measured"))
+    text = compare.run_compare(_base(), ["aft-decay"], tmp_path / "c")
+    assert "The table ranks the models" in text and "Decoding" not in text
+    assert "decoding" not in json.loads((tmp_path / "c" / "results.json").read_text())
+
+
 def test_mixer_entries_carry_options(fake, tmp_path):
     calls = fake("bpb", {2e-3: 1.0}, {2e-3: 1.0})
     out = tmp_path / "cmp"
@@ -207,6 +244,9 @@ def test_seeds_give_different_runs(tmp_path):
         (["--mixers", "nope"], "unknown mixer 'nope'"),
         (["--mixers", "aft-local:windw=8"], "windw"),
         (["--equal-params", "--set", "model.d_model=4", "--set", "model.n_heads=1"], "no d_ff"),
+        (["--decode-positions", "4k"], "must be comma-separated ints, got '4k'"),
+        (["--decode-positions", "0"], "--decode-positions must be integers >= 1, got 0"),
+        (["--decode-positions", "64,64"], "repeats a position"),
     ],
 )
 def test_bad_options_one_line_exit_2(tmp_path, capsys, extra, says):

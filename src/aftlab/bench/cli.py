@@ -13,12 +13,14 @@ from .cases import cases
 from .runner import BenchConfig, kind, run_bench
 
 
-def _split(kind: type, text: str) -> list:
+def comma_separated(kind: type, text: str) -> list:
     """``--lengths 256,1024``: comma-separated values of ``kind`` (an argparse type)."""
     try:
         return [kind(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be comma-separated {kind.__name__}s") from None
+        raise argparse.ArgumentTypeError(
+            f"must be comma-separated {kind.__name__}s, got {text!r}"
+        ) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         hidden = shown is None or isinstance(shown, bool) or shown in ("", [])
         more = "" if hidden else f" (default: {shown})"
         more += f"; of {', '.join(cases())}" * (f.name == "mixers")
-        kw = {"type": partial(_split, kind_) if is_list else kind_}
+        kw = {"type": partial(comma_separated, kind_) if is_list else kind_}
         if kind_ is bool:  # --causal, --no-isolate
             kw = {"action": argparse.BooleanOptionalAction}
         help = (f.metadata["help"] + more).replace("%", "%%")

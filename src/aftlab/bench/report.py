@@ -12,6 +12,7 @@ from typing import Any
 
 from .._json import dumps
 from .._plotting import pyplot
+from .._system import format_bytes
 from ..errors import UsageError
 
 __all__ = ["ratios", "summary_markdown", "state_table", "write_report", "ROW_FIELDS", "CSV_FIELDS"]
@@ -96,12 +97,6 @@ def _table(title: str, head: str, rows: dict[str, dict[int, str]]) -> list[str]:
     return [*lines, ""] if rows else []
 
 
-def size(n: int) -> str:
-    """``n`` bytes in B, KiB, MiB or GiB, 3 significant digits: ``"96 KiB"``."""
-    exp = min(int(math.log(n, 1024)), 3) if n >= 1 else 0
-    return f"{n / 1024**exp:.3g} {('B', 'KiB', 'MiB', 'GiB')[exp]}"
-
-
 def state_table(sizes: list[dict], dim: int, heads: int, dtype: str) -> list[str]:
     """The decoding-state sizes (:func:`~aftlab.bench.states.state_sizes`) as a Markdown table:
     a row per mixer, attention's KV cache first, a column per ``T``; each cell the bytes and,
@@ -113,8 +108,9 @@ def state_table(sizes: list[dict], dim: int, heads: int, dtype: str) -> list[str
         if n is None:
             return r["note"]
         if not att or r["mixer"] == "attention":
-            return size(n)
-        return size(n) + (" (1/1)" if n == att else f" (1/{att / n:,.0f})" if n < att else "")
+            return format_bytes(n)
+        share = " (1/1)" if n == att else f" (1/{att / n:,.0f})" if n < att else ""
+        return format_bytes(n) + share
 
     label = {"attention": "attention (KV cache)"}
     first = sorted(sizes, key=lambda r: r["mixer"] != "attention")  # stable: else as given

@@ -6,37 +6,14 @@ on the meta device (nothing is allocated, so ``T`` may be a million). See docs/b
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Any
 
 import torch
 
-from ..mixers.base import GROWS
+from .._state import state_bytes
 from .cases import MATMUL, Op, Shape, decoding_mixer
 from .measure import first_line
 
-__all__ = ["state_bytes", "state_sizes"]
-
-
-def state_bytes(state: Any, tokens: int, grows: tuple[int, ...] = ()) -> int:
-    """Bytes of the tensors of a decoding ``state`` holding ``tokens`` tokens: ``numel *
-    element_size`` of each, with every dim its dataclass field marks :data:`GROWS` (a key-value
-    cache's length) taken as ``tokens``.
-
-    ``state``: a tensor, a dataclass of them (nested dataclasses, lists and tuples too); other
-    values (a position) hold no tensor bytes.
-    """
-    if isinstance(state, torch.Tensor):
-        shape = [tokens if i in grows else n for i, n in enumerate(state.shape)]
-        return math.prod(shape) * state.element_size()
-    if dataclasses.is_dataclass(state) and not isinstance(state, type):
-        return sum(
-            state_bytes(getattr(state, f.name), tokens, f.metadata.get(GROWS, ()))
-            for f in dataclasses.fields(state)
-        )
-    if isinstance(state, (list, tuple)):
-        return sum(state_bytes(x, tokens) for x in state)
-    return 0
+__all__ = ["state_sizes"]
 
 
 def state_sizes(

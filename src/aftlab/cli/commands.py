@@ -447,6 +447,9 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
 
 def add_compare(sub) -> None:
+    from functools import partial
+
+    from ..bench.cli import comma_separated
     from ..mixers import available_mixers
     from ..train.compare import default_mixers
 
@@ -504,6 +507,14 @@ def add_compare(sub) -> None:
         "(text tasks; default 0: none)",
     )
     p.add_argument(
+        "--decode-positions",
+        type=partial(comma_separated, int),
+        metavar="P,P,...",
+        help="after the table, measure each model decoding one sequence at these positions "
+        "(e.g. 4096,65536): ms per token and the state it keeps (KV cache or fixed-size sums), "
+        "on a same-shaped model with random weights (language-model tasks; default: none)",
+    )
+    p.add_argument(
         "--dry-run",
         action="store_true",
         help="check every option, the data and every model (built on the meta device), print "
@@ -537,6 +548,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         lrs=lrs,
         equal_params=args.equal_params,
         sample=args.sample,
+        decode_positions=args.decode_positions,
         dry_run=args.dry_run,
     )
     print(table, flush=True)

@@ -58,7 +58,7 @@ import torch
 from torch import nn
 
 from .._checks import check_floating_dtype, check_padding_mask, check_positive_int, check_tensor
-from .._state import clone_state
+from .._state import GROWS, clone_state
 from ..ops._packed import check_cu_seqlens, run_documents
 
 __all__ = [
@@ -76,9 +76,6 @@ MixerState = Any  # each mixer defines its own state type (a small dataclass of 
 #: the attribute :func:`mark_residual_projection` sets on a layer
 _RESIDUAL = "residual_projection"
 
-#: ``dataclasses.field`` metadata of a state tensor: the dims that grow while decoding (a
-#: key-value cache's capacity); :meth:`SequenceMixer.check_state` leaves their size free
-GROWS = "grows"
 
 #: the constructor arguments every mixer takes (a model fills them from its config fields of the
 #: same names)

@@ -99,7 +99,8 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """One block: a token mixer and a feed-forward, each in a residual branch.
+    """One block: a token mixer and a feed-forward, each in a residual branch (``d_ff = 0``: the
+    mixer's alone, ``out = h``).
 
     With ``Mix`` the mixer (its output dropout included) and ``LN`` LayerNorm:
 
@@ -124,29 +125,28 @@ class TransformerBlock(nn.Module):
         d = self.d_model = config.d_model
         self.norm = config.norm
         self.mixer: SequenceMixer = mixer_from_config(config, layer_idx=layer_idx)
-        self.ff = FeedForward(
-            d,
-            config.resolved_d_ff,
-            activation=config.activation,
-            dropout=config.dropout,
-            bias=config.bias,
-        )
+        ff = config.resolved_d_ff  # 0: no feed-forward and no second norm, the mixer's branch
+        self.ff = None
+        if ff:
+            self.ff = FeedForward(
+                d, ff, activation=config.activation, dropout=config.dropout, bias=config.bias
+            )
         make_norm = (
             (lambda: nn.LayerNorm(d, eps=config.layer_norm_eps))
             if config.norm != "none"
             else nn.Identity
         )
         self.norm1 = make_norm()
-        self.norm2 = make_norm()
+        self.norm2 = make_norm() if ff else None
 
     def _residual(
         self, x: torch.Tensor, mix: Callable[[torch.Tensor], torch.Tensor]
     ) -> torch.Tensor:
         if self.norm == "post":
             h = self.norm1(x + mix(x))
-            return self.norm2(h + self.ff(h))
+            return h if self.ff is None else self.norm2(h + self.ff(h))
         h = x + mix(self.norm1(x))
-        return h + self.ff(self.norm2(h))
+        return h if self.ff is None else h + self.ff(self.norm2(h))
 
     def forward(
         self,

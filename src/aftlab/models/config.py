@@ -41,7 +41,8 @@ class TransformerConfig:
         n_layers: number of blocks ``N``.
         n_heads: heads ``H`` of the mixer (attention, AFT-conv).
         head_dim: per-head width ``m``; defaults to ``d_model // n_heads``.
-        d_ff: feed-forward hidden width ``r``; defaults to ``4 * d_model``.
+        d_ff: feed-forward hidden width ``r``; defaults to ``4 * d_model``; 0: no feed-forward
+            (a block is its mixer alone, as in Zoology's MQAR models).
         max_seq_len: longest sequence ``T_max`` (learned positions, AFT-full/local biases).
         mixer: registry name of the token mixer.
         mixer_options: extra keyword arguments of the mixer (e.g. ``{"window": 32}``).
@@ -87,10 +88,11 @@ class TransformerConfig:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
             if not _is_size(getattr(self, name)):
                 _fail(name, "a positive int below 2**63", getattr(self, name))
-        for name in ("head_dim", "d_ff"):
-            v = getattr(self, name)
-            if v is not None and not _is_size(v):
-                _fail(name, "a positive int below 2**63, or None", v)
+        if self.head_dim is not None and not _is_size(self.head_dim):
+            _fail("head_dim", "a positive int below 2**63, or None", self.head_dim)
+        no_ff = type(self.d_ff) is int and self.d_ff == 0
+        if self.d_ff is not None and not (_is_size(self.d_ff) or no_ff):
+            _fail("d_ff", "a non-negative int below 2**63 (0: no feed-forward), or None", self.d_ff)
         if self.head_dim is None and self.d_model % self.n_heads:
             _fail(
                 "n_heads",
@@ -133,7 +135,7 @@ class TransformerConfig:
 
     @property
     def resolved_d_ff(self) -> int:
-        """``d_ff``, or ``4 * d_model`` when unset."""
+        """``d_ff``, or ``4 * d_model`` when unset (0: no feed-forward)."""
         return self.d_ff if self.d_ff is not None else 4 * self.d_model
 
     # serialisation -------------------------------------------------------------

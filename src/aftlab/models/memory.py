@@ -124,8 +124,9 @@ def parameter_count(
     d, V = config.d_model, config.vocab_size
     norm = 2 * d  # a LayerNorm's gain and bias
     r = config.resolved_d_ff
-    ff = _linear(d, r, config.bias) + _linear(r, d, config.bias)
-    block = _mixer_parameters(config) + ff + (2 * norm if config.norm != "none" else 0)
+    ff = _linear(d, r, config.bias) + _linear(r, d, config.bias) if r else 0
+    norms = (2 if r else 1) * norm if config.norm != "none" else 0
+    block = _mixer_parameters(config) + ff + norms
     total = V * d + config.n_layers * block + (norm if config.final_norm else 0)
     if config.positional == "learned":
         total += config.max_seq_len * d

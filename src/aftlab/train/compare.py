@@ -29,7 +29,7 @@ import math
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple, TextIO
 
@@ -38,8 +38,10 @@ import torch
 
 from .._checks import did_you_mean
 from .._json import dumps
+from .._system import format_bytes
 from ..errors import READ_ERRORS, UsageError, reason
 from ..mixers import available_mixers, get_mixer_class
+from ..models.decoding import decoding_cost
 from .build import build_model, build_task, model_config_for
 from .checkpoint import atomic_write_text
 from .config import TrainConfig, parse_override, to_toml
@@ -152,7 +154,7 @@ def match_parameters(config: TrainConfig, task: Any, target: int) -> tuple[Train
     def with_d_ff(d_ff: int) -> TrainConfig:
         return config.replace(model={"d_ff": d_ff})
 
-    d_ff0 = model_config_for(config, task).resolved_d_ff
+    d_ff0 = max(model_config_for(config, task).resolved_d_ff, 1)  # affine from 1 (0: no FF)
     p0 = count_parameters(with_d_ff(d_ff0), task)
     step = count_parameters(with_d_ff(d_ff0 + 1), task) - p0
     d_ff = d_ff0 + round((target - p0) / step)
@@ -415,6 +417,7 @@ class _Plan:
     seeds: list[int]
     out_dir: Path
     target: int | None
+    decode_positions: list[int]
 
     @property
     def higher_better(self) -> bool:
@@ -488,6 +491,7 @@ def _plan(
     lrs: list[float] | None,
     equal_params: bool,
     sample: int,
+    decode_positions: list[int] | None,
 ) -> _Plan:
     """Check every option and build every model (on the meta device) before any training."""
     if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
@@ -496,6 +500,7 @@ def _plan(
     specs = _parse_mixers(mixers)
     task = build_task(base)  # fails early on bad data, before any training
     check_sample(sample, task)
+    positions = check_decode_positions(decode_positions, task)
     configs = {}
     target = None
     if equal_params:
@@ -508,7 +513,7 @@ def _plan(
             count_parameters(cfg, task)
         configs[sp.label] = cfg
     seed_list = [base.seed + i for i in range(seeds)]
-    return _Plan(base, specs, configs, task, lrs, seed_list, Path(out_dir), target)
+    return _Plan(base, specs, configs, task, lrs, seed_list, Path(out_dir), target, positions)
 
 
 def _train_rates(plan: _Plan, label: str) -> dict[float, list[_Run] | None]:
@@ -633,7 +638,8 @@ def _notes(plan: _Plan) -> str:
 
 
 def _write_results(plan: _Plan, rows: list[dict[str, Any]], run_dirs: dict[str, Path]) -> str:
-    """Write ``results.json``, ``results.csv``, the plots and ``results.md``; return the table."""
+    """Write ``results.json``, ``results.csv``, the plots and ``results.md``; return what is
+    printed: the table, the line on its regime and (``decode_positions``) the decoding table."""
     out_dir, metric, equal_params = plan.out_dir, plan.task.metric, plan.target is not None
     device = rows[0]["device"] if rows else "cpu"
     rows = rows + _baseline_rows(plan)
@@ -643,6 +649,7 @@ def _write_results(plan: _Plan, rows: list[dict[str, Any]], run_dirs: dict[str, 
         "lrs": plan.lrs,
         "equal_params": equal_params,
         "reference": plan.target,
+        "decode_positions": plan.decode_positions,
     }
     best = _best_model(rows, run_dirs, metric, plan.higher_better)
     results = {"rows": rows, "best": best, "options": options, "config": plan.base.to_dict()}
@@ -651,13 +658,18 @@ def _write_results(plan: _Plan, rows: list[dict[str, Any]], run_dirs: dict[str, 
     curves = {label: run_dir / "metrics.jsonl" for label, run_dir in run_dirs.items()}
     png = _plot(plot_loss_curves, curves, out_dir / "loss_curves.png")
     speed_png = _plot(plot_throughput, rows, out_dir / "throughput.png", device=device)
-    md = [f"# aftlab compare: {plan.base.task}", "", _notes(plan), "", table, ""]
-    if png is not None:
-        md += [f"![loss curves]({png.name})", ""]
+    figures = [f"![loss curves]({png.name})", ""] if png is not None else []
     if speed_png is not None:
-        md += [f"![tokens/s and peak memory]({speed_png.name})", ""]
-    atomic_write_text(out_dir / "results.md", "\n".join(md))
-    return table
+        figures += [f"![tokens/s and peak memory]({speed_png.name})", ""]
+    text = [table, "", _regime(plan)]
+    head = [f"# aftlab compare: {plan.base.task}", "", _notes(plan), ""]
+    atomic_write_text(out_dir / "results.md", "\n".join([*head, *text, "", *figures]))
+    if plan.decode_positions:  # after the results are written: a failure here loses none
+        results["decoding"] = decoding = _decoding_rows(plan)
+        text += ["", format_decoding_table(decoding)]
+        atomic_write_text(out_dir / "results.json", dumps(results, indent=2))
+        atomic_write_text(out_dir / "results.md", "\n".join([*head, *text, "", *figures]))
+    return "\n".join(text)
 
 
 def run_compare(
@@ -669,6 +681,7 @@ def run_compare(
     lrs: list[float] | None = None,
     equal_params: bool = False,
     sample: int = 0,
+    decode_positions: list[int] | None = None,
     dry_run: bool = False,
 ) -> str:
     """Train every mixer of ``mixers`` with ``base`` and write the comparison into ``out_dir``.
@@ -688,6 +701,10 @@ def run_compare(
             (:func:`match_parameters`).
         sample: tokens the caller samples afterwards with :func:`sample_best`; checked here
             (:func:`check_sample`), before any training.
+        decode_positions: after training, measure every entry decoding one sequence at these
+            positions (:func:`~aftlab.models.decoding.decoding_cost`: ms per token and the state's
+            bytes, on a same-shaped model with random weights), tabulated below the table and
+            kept in ``results.json``'s ``decoding``; a language-model task only.
         dry_run: stop after the plan (every check made before the first run: the options, the
             data, every model on the meta device); nothing is trained or written
             (``aftlab compare --dry-run``).
@@ -703,7 +720,8 @@ def run_compare(
     says why) and is never cached: a rerun retries it.
 
     Returns:
-        The Markdown table; with ``dry_run``, one line saying what would be trained.
+        The Markdown table, the line on its regime (budget and context) and the decoding table;
+        with ``dry_run``, one line saying what would be trained.
 
     Raises:
         UsageError: an unknown mixer or bad entry, ``seeds < 1``, a bad rate, a bad ``sample``,
@@ -711,7 +729,14 @@ def run_compare(
         KeyboardInterrupt: a run, or this process, was interrupted.
     """
     plan = _plan(
-        base, mixers, out_dir, seeds=seeds, lrs=lrs, equal_params=equal_params, sample=sample
+        base,
+        mixers,
+        out_dir,
+        seeds=seeds,
+        lrs=lrs,
+        equal_params=equal_params,
+        sample=sample,
+        decode_positions=decode_positions,
     )
     if dry_run:
         runs = len(plan.specs) * len(plan.lrs) * len(plan.seeds)
@@ -762,6 +787,81 @@ def check_sample(tokens: int, task: Any) -> None:
             f"--sample needs a text task (text, enwik8, text8), got {task.name!r}, which has no "
             "text to sample; leave out --sample"
         )
+
+
+def check_decode_positions(positions: list[int] | None, task: Any) -> list[int]:
+    """``--decode-positions``: positions ``>= 1``, each once, on a causal language-model task.
+
+    Raises:
+        UsageError: a position that is not an integer ``>= 1``, a repeated one, or a task whose
+            models do not decode (a classifier).
+    """
+    positions = list(positions or [])
+    for p in positions:
+        if isinstance(p, bool) or not isinstance(p, int) or p < 1:
+            raise UsageError(f"--decode-positions must be integers >= 1, got {p!r}")
+    if len(set(positions)) != len(positions):
+        raise UsageError(f"--decode-positions {positions} repeats a position; give each once")
+    if positions and task.kind != "lm":
+        raise UsageError(
+            f"--decode-positions needs a causal language-model task, got {task.name!r} "
+            f"(kind {task.kind!r}), whose models do not decode; leave out --decode-positions"
+        )
+    return sorted(positions)
+
+
+def _regime(plan: _Plan) -> str:
+    """One line: the budget and context the quality table ranks the models at, and what it is
+    not."""
+    b = plan.base
+    tokens = b.steps * b.batch_size * b.seq_len
+    seeds = f"{len(plan.seeds)} seed{'s' if len(plan.seeds) > 1 else ''}"
+    return (
+        f"The table ranks the models after {b.steps} steps of {b.batch_size} x {b.seq_len} = "
+        f"{tokens:,} training tokens at context {b.seq_len} ({seeds}): what they learn at this "
+        "budget and context, not how they rank converged or at longer contexts "
+        '(docs/results.md, "Budget scaling").'
+    )
+
+
+def _decoding_rows(plan: _Plan, steps: int = 16, warmup: int = 4) -> list[dict[str, Any]]:
+    """:func:`~aftlab.models.decoding.decoding_cost` of every entry at every decode position:
+    its model's shape, random weights, ``max_seq_len`` raised to reach the last position."""
+    reach = max(plan.decode_positions) + warmup + steps
+    rows = []
+    for label, cfg in plan.configs.items():
+        mc = model_config_for(cfg, plan.task)
+        torch.manual_seed(cfg.seed)
+        model = build_model(replace(mc, max_seq_len=reach), plan.task.info())
+        for p in plan.decode_positions:
+            row = decoding_cost(model, p, steps=steps, warmup=warmup, seed=cfg.seed)
+            rows.append({"mixer": label, **row, "threads": torch.get_num_threads()})
+        del model
+    return rows
+
+
+def format_decoding_table(rows: list[dict[str, Any]]) -> str:
+    """The :func:`~aftlab.models.decoding.decoding_cost` rows (each with its ``mixer``) as a
+    Markdown table, a row per mixer: the state and the ms per token at each position, under a
+    line saying what was measured."""
+    positions = sorted({r["position"] for r in rows})
+    by = {(r["mixer"], r["position"]): r for r in rows}
+    head = ["mixer"]
+    head += [f"state at {p:,}" for p in positions]
+    head += [f"ms/token at {p:,}" for p in positions]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (2 * len(positions))]
+    for m in dict.fromkeys(r["mixer"] for r in rows):
+        cells = [m]
+        cells += [format_bytes(by[m, p]["state_bytes"]) if (m, p) in by else "" for p in positions]
+        cells += [f"{by[m, p]['ms_per_token']:.2f}" if (m, p) in by else "" for p in positions]
+        lines.append("| " + " | ".join(cells) + " |")
+    threads = rows[0]["threads"] if rows else torch.get_num_threads()
+    title = (
+        "Decoding one sequence on this machine (same-shaped models, random weights, "
+        f"{threads} threads): the state a model keeps per sequence and ms per token at each "
+        "position."
+    )
+    return "\n".join([title, "", *lines])
 
 
 def sample_best(

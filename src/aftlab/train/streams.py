@@ -20,8 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .._state import map_state
-from ..mixers.base import GROWS
+from .._state import map_state, state_grows
 
 __all__ = [
     "stream_refusal",
@@ -37,25 +36,13 @@ __all__ = [
 # --------------------------------------------------------------------------- which models
 
 
-def _grows(state: Any) -> bool:
-    """Whether a state (a dataclass, nested ones, lists) has a field marked :data:`GROWS`."""
-    if dataclasses.is_dataclass(state) and not isinstance(state, type):
-        return any(
-            f.metadata.get(GROWS) or _grows(getattr(state, f.name))
-            for f in dataclasses.fields(state)
-        )
-    if isinstance(state, (list, tuple)):
-        return any(_grows(s) for s in state)
-    return False
-
-
 def stream_refusal(model: nn.Module) -> str | None:
     """Why ``model`` cannot carry a state of fixed size along a stream of any length, or None.
 
     A model carries one when it is not length-limited (no learned positional table, no
     ``aft-full`` or absolute-bias ``aft-local``: :attr:`~aftlab.models.TransformerLM.
     length_limit` is None) and no mixer's state grows with the tokens seen (attention's KV
-    cache; fields marked :data:`~aftlab.mixers.base.GROWS`).
+    cache; fields marked :data:`aftlab._state.GROWS`).
 
     Returns:
         ``None``, or the reason as a phrase: ``"the learned positional table limits it to
@@ -67,7 +54,7 @@ def stream_refusal(model: nn.Module) -> str | None:
         return f"{limit.source} limits it to max_seq_len = {limit.max_seq_len} positions"
     cache = model.init_cache(1)
     for i, state in enumerate(cache.states):
-        if _grows(state):
+        if state_grows(state):
             return (
                 f"the state of {model.backbone.blocks[i].mixer.name!r} grows with every token "
                 "(a cache of all past keys and values)"
