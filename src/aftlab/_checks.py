@@ -7,12 +7,14 @@ opaque error from deep inside torch.
 
 from __future__ import annotations
 
+import argparse
 import difflib
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
 __all__ = [
+    "comma_separated",
     "DTypeError",
     "check_tensor",
     "check_state_dtypes",
@@ -255,3 +257,13 @@ def check_state_dtypes(
             else f"the model's {want}"
         )
         raise DTypeError(f"{where}: '{name}' has dtype {dtype}, expected {expected}")
+
+
+def comma_separated(kind: type, text: str) -> list:
+    """``--lengths 256,1024``: comma-separated values of ``kind`` (an argparse type)."""
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be comma-separated {kind.__name__}s, got {text!r}"
+        ) from None

@@ -32,7 +32,8 @@ def test_table_then_a_sample_of_the_best_model_then_where_it_went(tmp_path, caps
     header, _, rest = rest.partition("\n")
     sample, _, last = rest.removesuffix("\n").rpartition("\n")  # the sample may hold newlines
     table = table.splitlines()
-    assert table[0].startswith("| mixer |") and table[-1].startswith("| (unigram baseline)")
+    assert table[0].startswith("| mixer |") and table[-3].startswith("| (unigram baseline)")
+    assert table[-1].startswith("The table ranks the models after 3 steps")  # its regime
     assert header.startswith(f"{best} (best test bpb ")
     plots = "plots (loss_curves.png, throughput.png)"
     if importlib.util.find_spec("matplotlib") is None:

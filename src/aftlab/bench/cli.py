@@ -8,19 +8,10 @@ import argparse
 import dataclasses
 from functools import partial
 
+from .._checks import comma_separated
 from ..errors import UsageError
 from .cases import cases
 from .runner import BenchConfig, kind, run_bench
-
-
-def comma_separated(kind: type, text: str) -> list:
-    """``--lengths 256,1024``: comma-separated values of ``kind`` (an argparse type)."""
-    try:
-        return [kind(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"must be comma-separated {kind.__name__}s, got {text!r}"
-        ) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -449,7 +449,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
 def add_compare(sub) -> None:
     from functools import partial
 
-    from ..bench.cli import comma_separated
+    from .._checks import comma_separated
     from ..mixers import available_mixers
     from ..train.compare import default_mixers
 
