@@ -19,6 +19,8 @@ import json
 import sys
 from collections import defaultdict
 
+from aftlab._system import format_bytes
+
 NAMES = {"rwkv4:architecture=rwkv4": "RWKV-4"}
 
 
@@ -91,7 +93,7 @@ def table(curves: dict[str, list[dict]]) -> str:
     for name, pts in curves.items():
         for p in pts:
             spread = f" ({p['lo']:.4f}-{p['hi']:.4f})" if p["seeds"] > 1 else ""
-            peak = f"{p['peak'] / 2**20:,.0f} MiB" if p["peak"] else ""
+            peak = format_bytes(p["peak"]) if p["peak"] else ""
             lines.append(
                 f"| {name} | {p['tokens']:,} | {p['lr']:g} | {p['seeds']} | {p['bpb']:.4f}{spread} "
                 f"| {p['seconds']:,.0f} | {p['tokens_per_s']:,.0f} | {peak} |"

@@ -359,3 +359,66 @@ def test_every_model_says_what_its_forward_reads_from_a_batch():
             out = forward_batch(model, batch, wrapper=spy)
             assert spy.calls == 1
             torch.testing.assert_close(out, expected(), rtol=0, atol=0)
+
+
+def test_scored_forward_runs_the_head_at_the_scored_positions_only():
+    """A recall batch: ``(n, V)`` logits at the ``n`` targets that are not -100, the rows of the
+    full logits there, the same loss, accuracy and gradients; over half scored: the full
+    logits."""
+    from aftlab.data import IGNORE_INDEX, build_task, count_correct
+    from aftlab.models import RWKV4LM, RWKV4Config, TransformerConfig
+    from aftlab.train.trainer import forward_batch, nll_sum, scored_forward
+
+    MIXERS = ("attention", "aft-decay", "aft-local")
+    torch.manual_seed(0)
+    task = build_task("recall", seq_len=32, num_pairs=3, vocab=64)
+    batch = task.train_batch(0, batch_size=5)
+    target = batch["target"]
+    n = int((target != IGNORE_INDEX).sum())
+    assert 0 < n < target.numel()
+    cfg = TransformerConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=2, max_seq_len=32)
+    models = [TransformerLM(dataclasses.replace(cfg, mixer=m)).double() for m in MIXERS] + [
+        RWKV4LM(RWKV4Config(vocab_size=64, d_model=16, n_layers=2)).double()
+    ]
+    for model in models:
+        name = type(model).__name__
+        logits, kept = scored_forward(model, batch)
+        assert logits.shape == (n, 64) and torch.equal(kept, target[target != IGNORE_INDEX])
+        full = forward_batch(model, batch)
+        torch.testing.assert_close(logits, full[target != IGNORE_INDEX], rtol=1e-12, atol=1e-12)
+        assert count_correct(logits, kept) == count_correct(full, target), name
+        grads = []
+        for lg, tg in ((logits, kept), (full, target)):
+            model.zero_grad()
+            s, k = nll_sum(lg, tg)
+            assert int(k) == n
+            s.backward()
+            grads.append({p: q.grad.clone() for p, q in model.named_parameters()})
+        for p, g in grads[0].items():
+            torch.testing.assert_close(g, grads[1][p], rtol=1e-10, atol=1e-12, msg=f"{name}: {p}")
+        unselected, same = scored_forward(model, batch, select=False)
+        assert unselected.shape == (5, 32, 64) and same is target
+    text = {"input": batch["input"], "target": batch["input"].clone()}
+    text["target"][:, :15] = IGNORE_INDEX  # over half scored (as a text batch): the full logits
+    assert scored_forward(models[0], text)[0].shape == (5, 32, 64)
+    text["target"][:, 15] = IGNORE_INDEX  # half scored: their rows
+    assert scored_forward(models[0], text)[0].shape == (5 * 16, 64)
+
+
+def test_logits_mask_is_checked():
+    from aftlab.models import RWKV4LM, RWKV4Config, TransformerConfig
+
+    lm = TransformerLM(TransformerConfig(vocab_size=11, d_model=8, n_layers=1, n_heads=2))
+    rwkv = RWKV4LM(RWKV4Config(vocab_size=11, d_model=8, n_layers=1))
+    idx = torch.zeros(2, 5, dtype=torch.long)
+    for model in (lm, rwkv):
+        with pytest.raises(TypeError, match="'logits_mask' must be a bool tensor"):
+            model(idx, logits_mask=torch.ones(2, 5))
+        with pytest.raises(ValueError, match="'logits_mask'"):
+            model(idx, logits_mask=torch.ones(2, 4, dtype=torch.bool))
+        with pytest.raises(ValueError, match="'logits_to_keep' or 'logits_mask', not both"):
+            model(idx, logits_to_keep=1, logits_mask=torch.ones(2, 5, dtype=torch.bool))
+        mask = torch.zeros(2, 5, dtype=torch.bool)
+        mask[1, 3] = True
+        with torch.no_grad():  # float32 head, one row's products in another blocking
+            torch.testing.assert_close(model(idx, logits_mask=mask), model(idx)[1, 3][None])

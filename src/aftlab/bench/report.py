@@ -76,7 +76,7 @@ def cell(r: dict) -> str:
     floor = f" / {r['ratio_to_floor']:.1f}x" if r.get("ratio_to_floor") else ""
     finite = f" / finite {r['finite']}, {r['finite_large_input']}" if "finite" in r else ""
     time = f"{t * 1e3:.3g} ms" if t < 1 else f"{t:.3g} s"
-    return f"{time} / {'n/a' if mem is None else f'{mem / 2**20:.3g} MiB'}{floor}{finite}"
+    return f"{time} / {'n/a' if mem is None else format_bytes(mem)}{floor}{finite}"
 
 
 def _grid(rows, label: Callable[[dict], Any], value: Callable[[dict], Any]) -> dict[Any, dict]:

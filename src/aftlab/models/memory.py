@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from .._system import available_memory, env_off
+from .._system import available_memory, env_off, format_bytes
 from ..mixers import SequenceMixer, get_mixer_class
 from ..mixers.aft.conv import AFTConvMixer
 from ..mixers.aft.decay import AFTDecay
@@ -175,10 +175,6 @@ def _model_bytes(config: TransformerConfig, params: int, itemsize: int) -> int:
     return params * itemsize + config.n_layers * BLOCK_OVERHEAD
 
 
-def _bytes(n: int) -> str:
-    return f"{n / 2**20:,.2f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
-
-
 def check_memory(
     where: str, needed: int, what: str, *, device: torch.device | str | None = None
 ) -> None:
@@ -197,8 +193,9 @@ def check_memory(
     limit, source = available_memory(device if device.type == "cuda" else "cpu")
     if source != "unknown" and needed > limit:
         raise ValueError(
-            f"{where}: {what} needs at least {_bytes(needed)}, more than the {_bytes(limit)} "
-            f"available ({source}); make it smaller, or set AFTLAB_MEMORY_CHECK=0 to try anyway"
+            f"{where}: {what} needs at least {format_bytes(needed)}, more than the "
+            f"{format_bytes(limit)} available ({source}); make it smaller, or set "
+            "AFTLAB_MEMORY_CHECK=0 to try anyway"
         )
 
 

@@ -41,6 +41,7 @@ from ..ops.state import RunningSums
 from . import generation
 from .config import RWKV4Config
 from .generation import DecodingCache, LengthLimit
+from .transformer import check_logits_selection, keep_positions
 
 __all__ = [
     "RWKV4LM",
@@ -360,23 +361,24 @@ class RWKV4LM(nn.Module):
         *,
         padding_mask: torch.Tensor | None = None,
         logits_to_keep: int = 0,
+        logits_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Next-token logits ``(B, T, V)`` of ``idx: (B, T)`` (the last ``logits_to_keep``
-        positions only; 0: all). Padded tokens (``padding_mask`` False) are skipped by the WKV
-        and pass zeros to the token shifts, so a left-padded row's logits equal the unpadded
-        row's at its real tokens."""
+        positions only, 0: all; or ``(n, V)`` at the True positions of a bool ``(B, T)``
+        ``logits_mask``, as :meth:`TransformerLM.forward`). Padded tokens (``padding_mask``
+        False) are skipped by the WKV and pass zeros to the token shifts, so a left-padded row's
+        logits equal the unpadded row's at its real tokens."""
         where = "RWKV4LM"
         check_tokens(where, "idx", idx, ndim=2, vocab_size=self.vocab_size, in_forward=True)
         if padding_mask is not None:
             check_padding_mask(where, padding_mask, tuple(idx.shape[:2]), "idx", idx)
-        check_positive_int(where, "logits_to_keep", logits_to_keep, allow_zero=True)
+        check_logits_selection(where, idx, logits_to_keep, logits_mask)
         h = self.ln0(self.embeddings(idx))
         for block, (scale, halve) in zip(self.blocks, self._scales(), strict=True):
             h = block(h, padding_mask=padding_mask, scale=scale)
             if halve:
                 h = h / 2
-        h = h[:, -logits_to_keep:] if logits_to_keep else h
-        return self.head(self.ln_out(h))
+        return self.head(self.ln_out(keep_positions(h, logits_to_keep, logits_mask)))
 
     # ------------------------------------------------------------------ decoding
     def init_cache(

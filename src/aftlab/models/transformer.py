@@ -33,6 +33,7 @@ from .._checks import (
     check_floating_dtype,
     check_padding_mask,
     check_positive_int,
+    check_tensor,
     check_tokens,
 )
 from ..mixers import SequenceMixer
@@ -86,6 +87,50 @@ def _check_padding_mask(
 def _last(h: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
     """The last ``logits_to_keep`` positions of ``h: (B, T, d)`` (0: all)."""
     return h[:, -logits_to_keep:] if logits_to_keep else h
+
+
+def check_logits_selection(
+    where: str, idx: torch.Tensor, logits_to_keep: int, logits_mask: torch.Tensor | None
+) -> None:
+    """Check a language model's ``logits_to_keep`` and ``logits_mask`` for ``idx: (B, T)``.
+
+    Raises:
+        ValueError: ``logits_to_keep`` negative, ``logits_mask`` of another shape or device
+            than ``idx``, or both given.
+        TypeError: ``logits_mask`` not a bool tensor.
+    """
+    check_positive_int(where, "logits_to_keep", logits_to_keep, allow_zero=True)
+    if logits_mask is None:
+        return
+    check_tensor(where, "logits_mask", logits_mask, shape=tuple(idx.shape[:2]))
+    if logits_mask.dtype != torch.bool:
+        raise TypeError(
+            f"{where}: 'logits_mask' must be a bool tensor (True = compute the logits), "
+            f"got dtype {logits_mask.dtype}"
+        )
+    if logits_mask.device != idx.device:
+        raise ValueError(
+            f"{where}: 'logits_mask' is on {logits_mask.device} but 'idx' is on {idx.device}"
+        )
+    if logits_to_keep:
+        raise ValueError(
+            f"{where}: give 'logits_to_keep' or 'logits_mask', not both "
+            f"(got logits_to_keep={logits_to_keep})"
+        )
+
+
+def keep_positions(
+    h: torch.Tensor, logits_to_keep: int = 0, logits_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The hidden states ``h: (B, T, d)`` a language model's head scores.
+
+    ``logits_to_keep = n``: the last ``n`` positions, ``(B, n, d)`` (0: all, ``(B, T, d)``).
+    ``logits_mask``: bool ``(B, T)``, the True positions only, ``(n, d)`` in row-major order:
+    the positions a loss scores (a recall task's queries), so that the head and its softmax,
+    ``V`` values per position, are not computed where nothing is scored. Checked by
+    :func:`check_logits_selection`.
+    """
+    return _last(h, logits_to_keep) if logits_mask is None else h[logits_mask]
 
 
 # --------------------------------------------------------------------------- initialisation
@@ -422,6 +467,7 @@ class TransformerLM(nn.Module):
         padding_mask: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         logits_to_keep: int = 0,
+        logits_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Next-token logits.
 
@@ -433,17 +479,21 @@ class TransformerLM(nn.Module):
                 restart at 0 in each and every mixer restarts there: the logits (and their
                 gradients) equal separate forwards per document. Not with ``padding_mask``.
             logits_to_keep: the logits of the last ``logits_to_keep`` positions only (0: all).
+            logits_mask: bool ``(B, T)``: the logits of the True positions only (the scored
+                ones: :func:`keep_positions`), as the trainer asks where a task scores few
+                positions. Not with ``logits_to_keep``.
 
         Returns:
             ``(B, T, vocab_size)``: ``logits[:, t]`` scores token ``t + 1``; ``(B, n,
-            vocab_size)`` for the last ``n = logits_to_keep`` positions.
+            vocab_size)`` for the last ``n = logits_to_keep`` positions; ``(n, vocab_size)``
+            for the ``n`` True positions of ``logits_mask``, row by row.
         """
         where = type(self).__name__
         check_tokens(where, "idx", idx, ndim=2, vocab_size=self.config.vocab_size, in_forward=True)
         _check_padding_mask(where, padding_mask, idx)
-        check_positive_int(where, "logits_to_keep", logits_to_keep, allow_zero=True)
+        check_logits_selection(where, idx, logits_to_keep, logits_mask)
         h = self.backbone(idx, padding_mask=padding_mask, cu_seqlens=cu_seqlens)
-        return self.head(_last(h, logits_to_keep))
+        return self.head(keep_positions(h, logits_to_keep, logits_mask))
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Number of parameters (a tied head counted once).

@@ -202,10 +202,6 @@ def unigram_baseline(
     return total / max(n, 1)
 
 
-def _fmt_mem(b: float | None) -> str:
-    return "n/a" if b is None else f"{b / 2**20:,.0f} MiB"
-
-
 def _fmt_value(mean: float | None, std: float | None) -> str:
     if mean is None:
         return "n/a"
@@ -238,7 +234,8 @@ def format_table(
             lo, hi = r.get("test_metric_min"), r.get("test_metric_max")
             cells.append("" if baseline or lo is None else f"{lo:.4f}–{hi:.4f}")
         cells.append("" if speed is None else f"{speed:,.0f}")
-        cells.append("" if baseline else _fmt_mem(r.get("peak_memory_bytes")))
+        peak = r.get("peak_memory_bytes")
+        cells.append("" if baseline else "n/a" if peak is None else format_bytes(peak))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -24,6 +24,7 @@ with the same weights.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -90,6 +91,7 @@ __all__ = [
     "Trainer",
     "evaluate",
     "forward_batch",
+    "scored_forward",
     "resolve_device",
     "DistInfo",
 ]
@@ -175,6 +177,43 @@ def forward_batch(
     return (model if wrapper is None else wrapper)(**model.batch_input(batch))
 
 
+def _takes_logits_mask(model: nn.Module) -> bool:
+    return "logits_mask" in inspect.signature(type(model).forward).parameters
+
+
+def scored_forward(
+    model: nn.Module,
+    batch: dict[str, torch.Tensor],
+    *,
+    wrapper: nn.Module | None = None,
+    select: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and targets of a batch's scored positions, for :func:`nll_sum`.
+
+    Where at most half of a language model's targets are scored (the rest ``-100``: a recall
+    task scores its queries only) and its ``forward`` takes ``logits_mask``, the head runs at
+    the scored positions only: ``(n, V)`` logits and ``(n,)`` targets, the rows of the full
+    ``(B, T, V)`` ones there. The head and its softmax cost ``V`` per position, most of a small
+    model's step at a large vocabulary. Otherwise (a text batch, scored everywhere but at a
+    window's or document's first bytes) :func:`forward_batch`'s logits and
+    ``batch["target"]``, as before.
+
+    Args:
+        model: the model (plain, or sharded in place by FSDP).
+        batch: a task batch, ``input`` and ``target``.
+        wrapper: called instead of ``model`` (:func:`forward_batch`).
+        select: False: always the full logits (a ``torch.compile`` wrapper, whose graph a
+            data-dependent shape would break).
+    """
+    target = batch["target"]
+    if select and target.ndim == 2 and _takes_logits_mask(model):
+        keep = target != IGNORE_INDEX
+        if 2 * int(keep.sum()) <= keep.numel():
+            call = model if wrapper is None else wrapper
+            return call(**model.batch_input(batch), logits_mask=keep), target[keep]
+    return forward_batch(model, batch, wrapper=wrapper), target
+
+
 def nll_sum(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed cross-entropy (nats) over scored targets and their count; computed in fp32.
 
@@ -220,12 +259,12 @@ def evaluate(
         for batch in task.eval_batches(split, batch_size=batch_size, max_batches=max_batches):
             batch = {k: v.to(device) for k, v in batch.items()}
             with _autocast(device, precision):
-                logits = forward_batch(model, batch)
-            s, n = nll_sum(logits, batch["target"])
+                logits, target = scored_forward(model, batch)
+            s, n = nll_sum(logits, target)
             total += float(s)
             count += int(n)
             if task.metric == "accuracy":
-                correct += count_correct(logits.float(), batch["target"])[0]
+                correct += count_correct(logits.float(), target)[0]
     finally:
         model.train(was_training)
     if count == 0:
@@ -625,7 +664,9 @@ class Trainer:
         mb = {k: v[rows] for k, v in batch.items()}
         if self.config.pack_documents:
             mb = pack_rows(mb)
-        return forward_batch(self.model, mb, wrapper=self.train_model), mb["target"]
+        return scored_forward(
+            self.model, mb, wrapper=self.train_model, select=not self.config.compile
+        )
 
     # ----------------------------------------------------------------- the loop
     def fit(self) -> dict[str, Any]:
