@@ -24,6 +24,7 @@ with the same weights.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import math
@@ -177,8 +178,9 @@ def forward_batch(
     return (model if wrapper is None else wrapper)(**model.batch_input(batch))
 
 
-def _takes_logits_mask(model: nn.Module) -> bool:
-    return "logits_mask" in inspect.signature(type(model).forward).parameters
+@functools.cache
+def _takes_logits_mask(model_type: type) -> bool:
+    return "logits_mask" in inspect.signature(model_type.forward).parameters
 
 
 def scored_forward(
@@ -206,7 +208,7 @@ def scored_forward(
             data-dependent shape would break).
     """
     target = batch["target"]
-    if select and target.ndim == 2 and _takes_logits_mask(model):
+    if select and target.ndim == 2 and _takes_logits_mask(type(model)):
         keep = target != IGNORE_INDEX
         if 2 * int(keep.sum()) <= keep.numel():
             call = model if wrapper is None else wrapper
