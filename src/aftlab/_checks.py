@@ -124,27 +124,45 @@ def check_compatible(where: str, named: dict[str, torch.Tensor]) -> None:
             )
 
 
-def check_padding_mask(
-    where: str, mask: object, shape: Sequence[int], ref_name: str, ref: torch.Tensor
+def check_bool_mask(
+    where: str,
+    name: str,
+    mask: object,
+    shape: Sequence[int],
+    ref_name: str,
+    ref: torch.Tensor,
+    *,
+    true_means: str,
 ) -> torch.Tensor:
-    """Check a padding mask: a bool tensor of ``shape`` (True = real token) on ``ref``'s device.
+    """Check a mask ``name``: a bool tensor of ``shape`` on ``ref``'s device.
+
+    ``true_means`` says what True stands for, in the message (``"real token"``).
 
     Raises:
         ValueError: wrong rank or shape, or another device than ``ref``.
         TypeError: not a tensor, or not bool.
     """
-    check_tensor(where, "padding_mask", mask, shape=tuple(shape))
+    check_tensor(where, name, mask, shape=tuple(shape))
     assert isinstance(mask, torch.Tensor)
     if mask.dtype != torch.bool:
         raise TypeError(
-            f"{where}: 'padding_mask' must be a bool tensor (True = real token), "
-            f"got dtype {mask.dtype}"
+            f"{where}: '{name}' must be a bool tensor (True = {true_means}), got dtype {mask.dtype}"
         )
     if mask.device != ref.device:
         raise ValueError(
-            f"{where}: 'padding_mask' is on {mask.device} but '{ref_name}' is on {ref.device}"
+            f"{where}: '{name}' is on {mask.device} but '{ref_name}' is on {ref.device}"
         )
     return mask
+
+
+def check_padding_mask(
+    where: str, mask: object, shape: Sequence[int], ref_name: str, ref: torch.Tensor
+) -> torch.Tensor:
+    """Check a padding mask: a bool tensor of ``shape`` (True = real token) on ``ref``'s device
+    (:func:`check_bool_mask`)."""
+    return check_bool_mask(
+        where, "padding_mask", mask, shape, ref_name, ref, true_means="real token"
+    )
 
 
 def check_tokens(

@@ -29,11 +29,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import (
+    check_bool_mask,
     check_choice,
     check_floating_dtype,
     check_padding_mask,
     check_positive_int,
-    check_tensor,
     check_tokens,
 )
 from ..mixers import SequenceMixer
@@ -102,16 +102,8 @@ def check_logits_selection(
     check_positive_int(where, "logits_to_keep", logits_to_keep, allow_zero=True)
     if logits_mask is None:
         return
-    check_tensor(where, "logits_mask", logits_mask, shape=tuple(idx.shape[:2]))
-    if logits_mask.dtype != torch.bool:
-        raise TypeError(
-            f"{where}: 'logits_mask' must be a bool tensor (True = compute the logits), "
-            f"got dtype {logits_mask.dtype}"
-        )
-    if logits_mask.device != idx.device:
-        raise ValueError(
-            f"{where}: 'logits_mask' is on {logits_mask.device} but 'idx' is on {idx.device}"
-        )
+    shape = tuple(idx.shape[:2])
+    check_bool_mask(where, "logits_mask", logits_mask, shape, "idx", idx, true_means="a logit")
     if logits_to_keep:
         raise ValueError(
             f"{where}: give 'logits_to_keep' or 'logits_mask', not both "
