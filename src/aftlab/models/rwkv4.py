@@ -445,7 +445,7 @@ class RWKV4LM(nn.Module):
             states.append(state)
             if halve:
                 h = h / 2
-        h = h[:, -logits_to_keep:] if logits_to_keep else h
+        h = keep_positions(h, logits_to_keep)
         if cache is None:
             cache = DecodingCache(states=states, position=T, batch_size=B)
         else:
