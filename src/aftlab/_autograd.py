@@ -63,11 +63,23 @@ def once_differentiable(name: str) -> Callable:
 def register_autograd_once(op: str, backward: Callable, setup: Callable, *, what: str) -> None:
     """Register ``backward`` and ``setup(ctx, inputs, output)`` as the autograd of the custom op
     ``op`` (``"namespace::name"``), differentiable once (a second derivative raises, naming
-    ``op`` and ``what`` implements it)."""
+    ``op`` and ``what`` implements it). Gradients are not materialised: ``backward`` gets None
+    for an output that no loss uses (not a zero tensor of its size), and is not called when
+    none is used."""
 
     def setup_context(ctx, inputs, output):
         keep_inputs(ctx, *inputs)
         setup(ctx, inputs, output)
+        # the ops' extra outputs (saved statistics) get no gradient: None, not a zero tensor
+        # of their size filled on every backward
+        ctx.set_materialize_grads(False)
+        ctx.aftlab_n_inputs = len(inputs)
 
     once = once_differentiable(f"{op} ({what})")(backward)
-    torch.library.register_autograd(op, once, setup_context=setup_context)
+
+    def backward_or_none(ctx, *grads):
+        if all(g is None for g in grads):  # no output is used: no input gets a gradient
+            return (None,) * ctx.aftlab_n_inputs
+        return once(ctx, *grads)
+
+    torch.library.register_autograd(op, backward_or_none, setup_context=setup_context)

@@ -184,7 +184,9 @@ def test_local_factorised_and_exact_rows_in_one_sequence(dtype, causal):
 
     Rising keys raise the causal b at almost every step (the ring's exp(k - b) are recomputed);
     a key of 100 before a band whose biases reach 100 on small keys leaves the factorised den
-    below its floor (exp(-100) flushes in float32), so those rows take the exact path.
+    below its floor (exp(-100) flushes in float32), so those rows take the exact path. Two
+    such segments: the exact rows' prefix state is folded lazily, brought up to each exact row
+    from where the last one left it, while the factorised rows keep the prefix in the shift b.
     """
     T, d = 200, 5
     q, k, v, w = (x.detach() for x in _local_inputs(2, T, d, dtype=dtype, seed=3))
@@ -192,6 +194,7 @@ def test_local_factorised_and_exact_rows_in_one_sequence(dtype, causal):
     k = k + (0.05 * t)[None, :, None]  # rising keys
     k[:, 60] = 100.0
     w[120:140] += 100.0 * (torch.rand(20, T, generator=torch.Generator().manual_seed(4)) > 0.5)
+    w[170:180] += 100.0 * (torch.rand(10, T, generator=torch.Generator().manual_seed(5)) > 0.5)
     args = [x.requires_grad_() for x in (q, k, v, w)]
     _check_local(args, 8, causal, _mask(2, T))
 

@@ -25,5 +25,15 @@ def needs_grad(*tensors: torch.Tensor) -> bool:
 
 def register_autograd(name: str, backward, setup, what: str = "C++ kernel") -> None:
     """Register ``backward`` for ``aftlab::name``, differentiable once (the backward kernels
-    have no derivative of their own; a second derivative raises, see :mod:`aftlab._autograd`)."""
-    register_autograd_once("aftlab::" + name, backward, setup, what=what)
+    have no derivative of their own; a second derivative raises, see :mod:`aftlab._autograd`).
+
+    The kernels' extra outputs are saved statistics with no gradient of their own: ``backward``
+    runs on the main output's gradient and is skipped (every input gradient None) without it.
+    """
+
+    def main_output(ctx, gy, *rest):
+        if gy is None:
+            return (None,) * ctx.aftlab_n_inputs
+        return backward(ctx, gy, *rest)
+
+    register_autograd_once("aftlab::" + name, main_output, setup, what=what)

@@ -31,7 +31,9 @@
 // largest key the query may see (causal: valid keys t' <= t, a running maximum; non-causal: all
 // keys): the band's exp(k - b) and exp(k - b) v sc are kept in a ring of W key rows (a channel's
 // rows are recomputed when its b rises), so the inner loop over (band key, channel) is two FMAs
-// and the exponentials are O(T (d + W)), not O(T W d). A row takes the exact per-(t, c) path
+// and the exponentials are O(T (d + W)), not O(T W d). The prefix keys' sums are kept in the
+// same shift b (a key leaving the band adds its ring row; a rising b rescales them), and the
+// exact prefix state (m, s, n) is folded lazily, only up to the rows that take the exact path. A row takes the exact per-(t, c) path
 // above where any channel's den < FLOOR (2^-64; the maximisers of w and k disagree by ~44 or
 // more, e.g. magnitudes ~1e4), where |a_t| or |b| > 2^20, or where den is NaN (NaN, inf input):
 // exact for every finite input, and still bit-causal (every quantity of query t is of keys the
@@ -63,6 +65,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
 #include "common.h"
 
 #include <algorithm>
@@ -81,7 +87,7 @@ constexpr double NEG_INF = -std::numeric_limits<double>::infinity();
 
 // exp of a non-positive log-domain (float64) number, evaluated in the value type T.
 template <typename T>
-inline T expd(double x) {
+AFTLAB_ELEM T expd(double x) {
   return exp_nonpos(static_cast<T>(x));
 }
 
@@ -89,7 +95,7 @@ inline T expd(double x) {
 // exp_nonpos(r) 2^n in T, so the result keeps T's relative precision for any |x| (a plain cast
 // of x to float32 costs |x| 6e-8 of it). Below -87 (float32; float64: libm) it is 0.
 template <typename T>
-inline T exp_fine(double x) {
+AFTLAB_ELEM T exp_fine(double x) {
   if constexpr (std::is_same_v<T, double>) {
     return std::exp(x);
   } else {
@@ -114,7 +120,7 @@ constexpr double BIG = 0x1p20;
 // x > 0 finite normal as f 2^e with f in [1, 2): returns e, sets f. The bit layout of float
 // (23 mantissa bits, exponent bias 127) or double (52, 1023).
 template <typename T>
-inline int split2(T x, T& f) {
+AFTLAB_ELEM int split2(T x, T& f) {
   using U = std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>;
   constexpr int M = std::numeric_limits<T>::digits - 1;
   constexpr U bias = std::numeric_limits<T>::max_exponent - 1, field = 2 * bias + 1;
@@ -181,20 +187,27 @@ inline void vmax(T* vm, const T* v, T sc, int64_t cn) {
 
 // Key t (keys k, one per key channel) raises the shift b of the channels it exceeds: the ring
 // rows of the valid keys u in [t - lo, t) are redone (put) on those channels.
-template <typename T, typename Valid, typename Put>
-inline void raise_shift(const T* k, double* bsh, int64_t nk, int64_t t, int64_t lo,
-                        const Valid& valid, const Put& put) {
+// on_rise(c, b_new) runs first, with bsh[c] still the old shift. Returns whether any rose.
+template <typename T, typename Valid, typename Put, typename Rise>
+inline bool raise_shift(const T* k, double* bsh, int64_t nk, int64_t t, int64_t lo,
+                        const Valid& valid, const Put& put, const Rise& on_rise) {
+  int any = 0;  // most keys raise nothing: one vector pass finds out
+  #pragma omp simd reduction(| : any)
+  for (int64_t c = 0; c < nk; ++c) any |= static_cast<int>(k[c] > bsh[c]);
+  if (!any) return false;
   for (int64_t c = 0; c < nk; ++c) {
     if (!(k[c] > bsh[c])) continue;
+    on_rise(c, static_cast<double>(k[c]));
     bsh[c] = k[c];
     for (int64_t u = std::max<int64_t>(0, t - lo); u < t; ++u)
       if (valid(u)) put(u, c, c + 1);
   }
+  return true;
 }
 
 // y = sigma(q) 2^e clamp(num / den, +-vm): the scaled average back to the values' range.
 template <typename T>
-inline T output(T q, T avg, T vm, T unsc) {
+AFTLAB_ELEM T output(T q, T avg, T vm, T unsc) {
   return sigmoid(q) * (unsc * clamp_abs(avg, vm));
 }
 
@@ -220,6 +233,63 @@ inline void values_block(const T* V, int64_t S, const int64_t* rows, const T* e,
   for (int l = 0; l < L; ++l) y[l] = output(q[l], num[l] * inv, vm[l], unsc);
 }
 
+// Per-channel keys: den += sum_r e_r ek_r, num += sum_r e_r ekv_r on channels [0, L), the
+// ring rows ek + slot_r sk, ekv + slot_r sv; the sums kept in registers over the rows.
+template <typename T, int L>
+inline void band_sums(const T* ek, int64_t sk, const T* ekv, int64_t sv, const int64_t* slots,
+                      const T* e, int64_t nr, T* den, T* num) {
+  T d[L], n[L];
+  #pragma omp simd
+  for (int l = 0; l < L; ++l) {
+    d[l] = den[l];
+    n[l] = num[l];
+  }
+  for (int64_t r = 0; r < nr; ++r) {
+    const T *er = ek + slots[r] * sk, *evr = ekv + slots[r] * sv;
+    const T ew = e[r];
+    #pragma omp simd
+    for (int l = 0; l < L; ++l) {
+      d[l] += ew * er[l];
+      n[l] += ew * evr[l];
+    }
+  }
+  #pragma omp simd
+  for (int l = 0; l < L; ++l) {
+    den[l] = d[l];
+    num[l] = n[l];
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// float on AVX2: 32 channels, the 8 sums in registers (GCC keeps the arrays above on the stack).
+// Each step is the same fused multiply-add as the generic loop, so the results are identical.
+template <>
+inline void band_sums<float, 32>(const float* ek, int64_t sk, const float* ekv, int64_t sv,
+                                 const int64_t* slots, const float* e, int64_t nr, float* den,
+                                 float* num) {
+  __m256 d0 = _mm256_loadu_ps(den), d1 = _mm256_loadu_ps(den + 8),
+         d2 = _mm256_loadu_ps(den + 16), d3 = _mm256_loadu_ps(den + 24);
+  __m256 n0 = _mm256_loadu_ps(num), n1 = _mm256_loadu_ps(num + 8),
+         n2 = _mm256_loadu_ps(num + 16), n3 = _mm256_loadu_ps(num + 24);
+  for (int64_t r = 0; r < nr; ++r) {
+    const float *er = ek + slots[r] * sk, *evr = ekv + slots[r] * sv;
+    const __m256 ew = _mm256_set1_ps(e[r]);
+    d0 = _mm256_fmadd_ps(ew, _mm256_loadu_ps(er), d0);
+    d1 = _mm256_fmadd_ps(ew, _mm256_loadu_ps(er + 8), d1);
+    d2 = _mm256_fmadd_ps(ew, _mm256_loadu_ps(er + 16), d2);
+    d3 = _mm256_fmadd_ps(ew, _mm256_loadu_ps(er + 24), d3);
+    n0 = _mm256_fmadd_ps(ew, _mm256_loadu_ps(evr), n0);
+    n1 = _mm256_fmadd_ps(ew, _mm256_loadu_ps(evr + 8), n1);
+    n2 = _mm256_fmadd_ps(ew, _mm256_loadu_ps(evr + 16), n2);
+    n3 = _mm256_fmadd_ps(ew, _mm256_loadu_ps(evr + 24), n3);
+  }
+  _mm256_storeu_ps(den, d0), _mm256_storeu_ps(den + 8, d1);
+  _mm256_storeu_ps(den + 16, d2), _mm256_storeu_ps(den + 24, d3);
+  _mm256_storeu_ps(num, n0), _mm256_storeu_ps(num + 8, n1);
+  _mm256_storeu_ps(num + 16, n2), _mm256_storeu_ps(num + 24, n3);
+}
+#endif
+
 // ------------------------------------------------------------------ forward
 template <typename T, bool BC>
 void band_fwd(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V,
@@ -240,10 +310,28 @@ void band_fwd(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
       // t' <= t; non-causal: of all keys) and a ring of the band keys' exp(k - b), exp(k - b) v sc
       const int64_t R = std::max<int64_t>(1, std::min(geo.W, Tn));
       std::vector<double> bsh(BC ? 0 : nk, NEG_INF);
-      std::vector<T> ek(BC ? 0 : R * nk), ekv(BC ? 0 : R * cn);
+      // (row stride RS: one cache line more than a row, so the rows of a channel block fall in
+      // different sets of L1 rather than in the same few)
+      const int64_t RS = nk + 64 / static_cast<int64_t>(sizeof(T));
+      std::vector<T> ek(BC ? 0 : R * RS), ekv(BC ? 0 : R * RS);
+      // ... and the prefix keys' sums of exp(k - b), exp(k - b) v sc in the same shift: a key
+      // leaving the band adds its ring row (no exponential), a rising b rescales them
+      std::vector<T> sf(BC ? 0 : nk, T(0)), nf(BC ? 0 : cn, T(0));
+      auto rise = [&](int64_t c, double b) {
+        const T f = exp_fine<T>(bsh[c] - b);  // b > bsh[c]; 0 from -inf
+        sf[c] *= f;
+        nf[c] *= f;
+      };
+      bool shifts_ok = false;  // every |b| <= BIG (none is -inf, NaN), redone when b changes
+      auto check_shifts = [&] {
+        int bad = 0;
+        #pragma omp simd reduction(+ : bad)
+        for (int64_t c = 0; c < nk; ++c) bad += !(std::abs(bsh[c]) <= BIG);
+        shifts_ok = bad == 0;
+      };
       auto put = [&](int64_t u, int64_t c0, int64_t c1) {  // ring row of key u, channels [c0, c1)
         const T *k = K + kx(u), *v = V + vx(u);
-        T *er = ek.data() + (u % R) * nk, *evr = ekv.data() + (u % R) * cn;
+        T *er = ek.data() + (u % R) * RS, *evr = ekv.data() + (u % R) * RS;
         #pragma omp simd
         for (int64_t c = c0; c < c1; ++c) {
           er[c] = exp_fine<T>(static_cast<double>(k[c]) - bsh[c]);
@@ -275,27 +363,38 @@ void band_fwd(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
         }
       }
       reset();
+      // per-channel keys fold the exact prefix state (m, s, n) lazily: only an exact row needs
+      // it, and it is brought up to that row's prefix then (amortised O(T) for the task)
+      int64_t folded = 0;
+      auto exact_prefix = [&](int64_t t) {
+        for (; folded < t - lo; ++folded)
+          if (valid(folded))
+            fold<T, BC>(K + kx(folded), V + vx(folded), sc, nk, cn, m.data(), s.data(),
+                        n.data(), a.data(), w.data());
+      };
       const int64_t nb = std::max<int64_t>(1, std::min(geo.W, Tn));  // most band rows
-      std::vector<int64_t> rows(nb);  // the valid band keys of query t ...
+      std::vector<int64_t> rows(nb), slots(nb);  // the valid band keys of query t ...
       std::vector<double> wv(nb), z(nb);  // ... their biases, exponents k + w (BC)
       std::vector<T> e(nb);
       // One query row on the factorised path; false (nothing written) where a channel's den is
       // below FLOOR, its shift is not finite or beyond BIG (NaN included): the exact path runs.
       // exp(k + w - a - b) = exp(w - a) exp(k - b), a = max(0, visible band biases):
-      //   den = exp(-a) (s_pre exp(m_pre - b) + s_suf exp(m_suf - b)) + sum_r exp(w_r - a) ek_r
+      //   den = exp(-a) (sf + s_suf exp(m_suf - b)) + sum_r exp(w_r - a) ek_r
       // (num alike with n, ekv); saved M = a + b + e ln2, 1/den' = 1/f with den = f 2^e.
       auto fact_row = [&](int64_t nr, const double* ms, const T* ss, const T* ns, const T* q,
                           T* y, double* Mo, T* Io) -> bool {
         double a0 = 0.0;
         for (int64_t r = 0; r < nr; ++r) a0 = wv[r] > a0 ? wv[r] : a0;
-        if (!(a0 <= BIG)) return false;
+        if (!(a0 <= BIG) || !shifts_ok) return false;
         const T e0 = exp_fine<T>(-a0);
-        for (int64_t r = 0; r < nr; ++r) e[r] = exp_fine<T>(wv[r] - a0);
+        for (int64_t r = 0; r < nr; ++r) {
+          e[r] = exp_fine<T>(wv[r] - a0);
+          slots[r] = rows[r] % R;
+        }
         #pragma omp simd
         for (int64_t c = 0; c < cn; ++c) {
-          const T p = exp_fine<T>(m[c] - bsh[c]);
-          den[c] = e0 * (s[c] * p);
-          num[c] = e0 * (n[c] * p);
+          den[c] = e0 * sf[c];
+          num[c] = e0 * nf[c];
         }
         if (ms) {
           #pragma omp simd
@@ -305,42 +404,55 @@ void band_fwd(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
             num[c] += e0 * (ns[c] * p);
           }
         }
-        for (int64_t r = 0; r < nr; ++r) {
-          const T *er = ek.data() + (rows[r] % R) * nk, *evr = ekv.data() + (rows[r] % R) * cn;
-          const T ew = e[r];
-          #pragma omp simd
-          for (int64_t c = 0; c < cn; ++c) {
-            den[c] += ew * er[c];
-            num[c] += ew * evr[c];
-          }
-        }
+        int64_t c = 0;
+        for (; c + 32 <= cn; c += 32)
+          band_sums<T, 32>(ek.data() + c, RS, ekv.data() + c, RS, slots.data(), e.data(), nr,
+                           den.data() + c, num.data() + c);
+        for (; c + VL <= cn; c += VL)
+          band_sums<T, VL>(ek.data() + c, RS, ekv.data() + c, RS, slots.data(), e.data(), nr,
+                           den.data() + c, num.data() + c);
+        for (; c < cn; ++c)
+          band_sums<T, 1>(ek.data() + c, RS, ekv.data() + c, RS, slots.data(), e.data(), nr,
+                          den.data() + c, num.data() + c);
         int bad = 0;
         #pragma omp simd reduction(+ : bad)
         for (int64_t c = 0; c < cn; ++c)
-          bad += !(den[c] >= FLOOR<T> && std::abs(bsh[c]) <= BIG);
+          bad += !(den[c] >= FLOOR<T>);
         if (bad) return false;
         #pragma omp simd
         for (int64_t c = 0; c < cn; ++c) y[c] = output(q[c], num[c] / den[c], vm[c], unsc);
-        if (Mo)
+        if (Mo) {
+          #pragma omp simd
           for (int64_t c = 0; c < cn; ++c) {
             T f;
             const int ex = split2(den[c], f);
             Mo[c] = (a0 + bsh[c]) + ex * 0.6931471805599453;
             Io[c] = T(1) / f;
           }
+        }
         return true;
       };
-      if (!BC && !geo.causal)
+      if (!BC && !geo.causal) {
+        check_shifts();
         for (int64_t u = 0; u < std::min(hi, Tn); ++u)
           if (valid(u)) put(u, 0, nk);
+      }
       for (int64_t t = 0; t < Tn; ++t) {
         const int64_t tp = t - lo - 1;  // leaves the band, enters the prefix
-        if (tp >= 0 && valid(tp))
+        if (BC && tp >= 0 && valid(tp))
           fold<T, BC>(K + kx(tp), V + vx(tp), sc, nk, cn, m.data(), s.data(), n.data(), a.data(),
                       w.data());
+        if (!BC && tp >= 0 && valid(tp)) {  // its ring row, in the current shift
+          const T *er = ek.data() + (tp % R) * RS, *evr = ekv.data() + (tp % R) * RS;
+          #pragma omp simd
+          for (int64_t c = 0; c < cn; ++c) {
+            sf[c] += er[c];
+            nf[c] += evr[c];
+          }
+        }
         if (geo.causal && valid(t)) vmax(vm.data(), V + vx(t), sc, cn);  // the keys t' <= t
         if (!BC && geo.causal && valid(t)) {
-          raise_shift(K + kx(t), bsh.data(), nk, t, lo, valid, put);
+          if (raise_shift(K + kx(t), bsh.data(), nk, t, lo, valid, put, rise)) check_shifts();
           put(t, 0, nk);
         } else if (!BC && !geo.causal && t + hi < Tn && valid(t + hi)) {
           put(t + hi, 0, nk);
@@ -388,6 +500,7 @@ void band_fwd(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
             Io[0] = inv;
           }
         } else if (!fact_row(nr, ms, ss, ns, q, y, Mo, Io)) {
+          exact_prefix(t);
           std::copy(m.begin(), m.end(), M.begin());
           if (ms)
             for (int64_t c = 0; c < cn; ++c) M[c] = ms[c] > M[c] ? ms[c] : M[c];
@@ -551,7 +664,7 @@ void band_bwd(const T* __restrict__ GY, const T* __restrict__ Q, const T* __rest
       auto band_keys = [&] {
         std::vector<double> bsh(nk, NEG_INF), qM(nk);
         std::vector<T> ek(R * nk), bv(R * cn), bk(R * nk), qdo(cn), qE(nk), qL(nk), qI(nk),
-            Pt(nk), ew(geo.W);
+            Pt(nk), pB(nk), ew(geo.W);
         auto raise = [&](int64_t t) {
           const T* k = K + kx(t);
           for (int64_t c = 0; c < nk; ++c) bsh[c] = k[c] > bsh[c] ? k[c] : bsh[c];
@@ -594,14 +707,21 @@ void band_bwd(const T* __restrict__ GY, const T* __restrict__ Q, const T* __rest
             bad += on && !ok ? T(1) : T(0);
           }
           if (live == T(0)) return;  // no upstream gradient: contributes exactly 0
+          if (bad == T(0)) {  // the query's factors once: P dO = ew e (p dO), P E = ew e (p E)
+            #pragma omp simd
+            for (int64_t c = 0; c < cn; ++c) {
+              pB[c] = Pt[c] * qE[c];
+              Pt[c] *= qdo[c];
+            }
+          }
           for (int64_t u = ua; u <= uz; ++u) {
             if (!valid(u)) continue;
             const int64_t jw = u - t + lo, wi = ((geo.Tb == 1 ? 0 : t) * geo.G + tk.g) * geo.W + jw;
             const T* __restrict__ v = V + vx(u);
             const T* __restrict__ k = K + kx(u);
             const T* __restrict__ e = ek.data() + (u % R) * nk;
-            const T *__restrict__ pt = Pt.data(), *__restrict__ dO = qdo.data(),
-                    *__restrict__ Et = qE.data();
+            const T *__restrict__ pd_ = Pt.data(), *__restrict__ pe_ = pB.data(),
+                    *__restrict__ dO = qdo.data(), *__restrict__ Et = qE.data();
             T* __restrict__ sv = bv.data() + (u % R) * cn;
             T* __restrict__ sk = bk.data() + (u % R) * nk;
             T sum = 0;  // dw: sum of P (dO . v - E) over the task's channels
@@ -609,8 +729,8 @@ void band_bwd(const T* __restrict__ GY, const T* __restrict__ Q, const T* __rest
               const T ewj = ew[jw];
               #pragma omp simd reduction(+ : sum)
               for (int64_t c = 0; c < cn; ++c) {
-                const T P = ewj * e[c] * pt[c];
-                const T pd = P * dO[c], pe = P * Et[c];
+                const T P = ewj * e[c];
+                const T pd = P * pd_[c], pe = P * pe_[c];
                 sv[c] += pd;
                 sk[c] -= pe;
                 sum += v[c] * pd - pe;
@@ -640,7 +760,7 @@ void band_bwd(const T* __restrict__ GY, const T* __restrict__ Q, const T* __rest
         };
         for (int64_t t = -hi; t < Tn + lo; ++t) {
           if (geo.causal && t < Tn && valid(t)) {  // key t enters
-            raise_shift(K + kx(t), bsh.data(), nk, t, lo, valid, put);
+            raise_shift(K + kx(t), bsh.data(), nk, t, lo, valid, put, [](int64_t, double) {});
             enter(t);
           } else if (!geo.causal && t + hi < Tn && valid(t + hi)) {
             enter(t + hi);

@@ -12,11 +12,19 @@
 
 namespace aftlab {
 
+// Element functions called inside `omp simd` loops: always inlined, so that a loop never falls
+// back to scalar calls when its caller grows past the compiler's inlining budget.
+#if defined(__GNUC__) || defined(__clang__)
+#define AFTLAB_ELEM inline __attribute__((always_inline))
+#else
+#define AFTLAB_ELEM inline
+#endif
+
 // exp(x) for x <= 0 (-inf -> 0, NaN -> NaN). double: libm. float: Cephes' polynomial with the
 // round-to-nearest magic constant, branch-free so loops over channels vectorise; values below
 // exp(-87) (about 1.6e-38) are flushed to 0.
-inline double exp_nonpos(double x) { return std::exp(x); }
-inline float exp_nonpos(float x) {
+AFTLAB_ELEM double exp_nonpos(double x) { return std::exp(x); }
+AFTLAB_ELEM float exp_nonpos(float x) {
   const float lo = -87.0f;
   const float xc = x < lo ? lo : x;
   const float t = xc * 1.44269504088896341f + 12582912.0f;  // 1.5 * 2^23: round to integer
@@ -50,13 +58,13 @@ inline T value_scale(int64_t n) {
 
 // x clamped to [-vm, vm]; a NaN x stays NaN (std::max/min return their first argument then).
 template <typename T>
-inline T clamp_abs(T x, T vm) {
+AFTLAB_ELEM T clamp_abs(T x, T vm) {
   return std::min(std::max(x, -vm), vm);
 }
 
 // sigma(x) = 1 / (1 + exp(-x)) with only exp of -|x|.
 template <typename T>
-inline T sigmoid(T x) {
+AFTLAB_ELEM T sigmoid(T x) {
   const T e = exp_nonpos(-std::abs(x));
   const T inv = T(1) / (T(1) + e);
   return x >= T(0) ? inv : e * inv;

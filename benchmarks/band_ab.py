@@ -1,0 +1,101 @@
+"""The band kernel (``aftlab::band``) of this checkout against another commit's, in one process.
+
+A quick A/B measurement for kernel work, not a test:
+
+    python benchmarks/band_ab.py --base HEAD~1 [--lengths 256,4096] [--windows 1,32]
+        [--non-causal] [--threads 2] [--rounds 12]
+
+The base commit's ``csrc/band.cpp`` and ``common.h`` are read with ``git show``, built under
+the op namespace ``aftbase`` (with aftlab's compiler flags) and loaded beside this checkout's
+kernels. Each round times one call of each build, alternating, so a slow spell of a shared
+machine hits both; the report is the fastest round of each (ms), forward with the statistics
+saved (as training runs it) and the backward alone, B = 4, d = 256, float32, and the largest
+difference between the two builds' outputs and gradients.
+"""
+
+import argparse
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from aftlab import kernels
+from aftlab.kernels import _build
+
+ROOT = Path(__file__).resolve().parents[1]
+CSRC = "src/aftlab/kernels/csrc"
+
+
+def build_base(rev: str, folder: Path) -> None:
+    """Build ``rev``'s band kernel into ``folder`` as the ops ``aftbase::band[_backward]``."""
+    for name in ("band.cpp", "common.h"):
+        text = subprocess.run(
+            ["git", "-C", str(ROOT), "show", f"{rev}:{CSRC}/{name}"],
+            check=True, capture_output=True, text=True,
+        ).stdout
+        text = text.replace("TORCH_LIBRARY_FRAGMENT(aftlab,", "TORCH_LIBRARY_FRAGMENT(aftbase,")
+        text = text.replace("TORCH_LIBRARY_IMPL(aftlab,", "TORCH_LIBRARY_IMPL(aftbase,")
+        (folder / name).write_text(text)
+    from torch.utils.cpp_extension import load
+
+    load("aftlab_band_base", [str(folder / "band.cpp")], extra_cflags=_build.cflags(),
+         extra_ldflags=["-fopenmp"], build_directory=str(folder), is_python_module=False)
+
+
+def timed(fn, *args) -> float:
+    t0 = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0
+
+
+def compare(ops: dict, T: int, s: int, causal: bool, rounds: int) -> str:
+    """One table row: the fastest forward (statistics saved) and backward of each build."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(4, T, 256, generator=g) for _ in range(3))
+    lo, hi = s - 1, 0 if causal else s - 1
+    w = 0.1 * torch.randn(T, 1, lo + hi + 1, generator=g, dtype=torch.float64)
+    gy = torch.randn(4, T, 256, generator=g)
+    geo = (lo, hi, causal, None)
+    out = {n: op.band(q, k, v, w, *geo, True) for n, op in ops.items()}
+    best = {(n, m): float("inf") for n in ops for m in ("f", "b")}
+    for _ in range(rounds):
+        for n, op in ops.items():
+            f = timed(op.band, q, k, v, w, *geo, True)
+            b = timed(op.band_backward, gy, q, k, v, w, *out[n], *geo)
+            best[n, "f"], best[n, "b"] = min(best[n, "f"], f), min(best[n, "b"], b)
+    grads = [op.band_backward(gy, q, k, v, w, *out[n], *geo) for n, op in ops.items()]
+    dy = (out["base"][0] - out["this"][0]).abs().max().item()
+    dg = max((x - y).abs().max().item() for x, y in zip(*grads, strict=True))
+    ms = {key: f"{t * 1e3:.2f}" for key, t in best.items()}
+    return (f"| {T} | {s} | {ms['base', 'f']} / {ms['this', 'f']} | {ms['base', 'b']} / "
+            f"{ms['this', 'b']} | {dy:.1e}, {dg:.1e} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--base", default="HEAD")
+    p.add_argument("--lengths", default="256,4096")
+    p.add_argument("--windows", default="1,32")
+    p.add_argument("--non-causal", action="store_true")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=12)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    assert kernels.load(), kernels.status()
+    with tempfile.TemporaryDirectory() as tmp:
+        build_base(a.base, Path(tmp))
+        ops = {"base": torch.ops.aftbase, "this": torch.ops.aftlab}
+        causal = not a.non_causal
+        print(f"band kernel, {a.base} (base) against this checkout; B 4, d 256, float32, "
+              f"{a.threads} threads, {'causal' if causal else 'non-causal'}, fastest of "
+              f"{a.rounds} alternating rounds")
+        print("| T | s | forward base / this | backward base / this | max diff y, grads |")
+        print("|---|---|---|---|---|")
+        for T in map(int, a.lengths.split(",")):
+            for s in map(int, a.windows.split(",")):
+                print(compare(ops, T, s, causal, a.rounds))
+
+if __name__ == "__main__":
+    main()
