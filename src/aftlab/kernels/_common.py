@@ -27,13 +27,12 @@ def register_autograd(name: str, backward, setup, what: str = "C++ kernel") -> N
     """Register ``backward`` for ``aftlab::name``, differentiable once (the backward kernels
     have no derivative of their own; a second derivative raises, see :mod:`aftlab._autograd`).
 
-    The kernels' extra outputs are saved statistics with no gradient of their own: ``backward``
-    runs on the main output's gradient and is skipped (every input gradient None) without it.
+    The kernels' extra outputs are saved statistics: marked non-differentiable, so ``backward``
+    runs on the main output's gradient alone.
     """
 
-    def main_output(ctx, gy, *rest):
-        if gy is None:
-            return (None,) * ctx.aftlab_n_inputs
-        return backward(ctx, gy, *rest)
+    def setup_stats(ctx, inputs, output):
+        setup(ctx, inputs, output)
+        ctx.mark_non_differentiable(*output[1:])
 
-    register_autograd_once("aftlab::" + name, main_output, setup, what=what)
+    register_autograd_once("aftlab::" + name, backward, setup_stats, what=what)

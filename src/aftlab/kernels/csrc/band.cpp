@@ -33,9 +33,10 @@
 // rows are recomputed when its b rises), so the inner loop over (band key, channel) is two FMAs
 // and the exponentials are O(T (d + W)), not O(T W d). The prefix keys' sums are kept in the
 // same shift b (a key leaving the band adds its ring row; a rising b rescales them), and the
-// exact prefix state (m, s, n) is folded lazily, only up to the rows that take the exact path. A row takes the exact per-(t, c) path
-// above where any channel's den < FLOOR (2^-64; the maximisers of w and k disagree by ~44 or
-// more, e.g. magnitudes ~1e4), where |a_t| or |b| > 2^20, or where den is NaN (NaN, inf input):
+// exact prefix state (m, s, n) is folded lazily, only up to the rows that take the exact path.
+// A row takes the exact per-(t, c) path above where any channel's den < FLOOR (2^-64; the
+// maximisers of w and k disagree by ~44 or more, e.g. magnitudes ~1e4), where |a_t| or
+// |b| > 2^20, or where den is NaN (NaN, inf input):
 // exact for every finite input, and still bit-causal (every quantity of query t is of keys the
 // query sees). It saves M_t = a_t + b + e ln2 and 1/f with den = f 2^e, f in [1, 2), so the
 // backward's exp(k + w - M_t) <= 2 and 1/den <= 1 as on the exact path.
