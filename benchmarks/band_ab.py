@@ -3,12 +3,14 @@
 A quick A/B measurement for kernel work, not a test:
 
     python benchmarks/band_ab.py --base HEAD~1 [--lengths 256,4096] [--windows 1,32]
-        [--non-causal] [--threads 2] [--rounds 12]
+        [--non-causal] [--conv] [--base-cflags "..."] [--threads 2] [--rounds 12]
 
 The base commit's ``csrc/band.cpp`` and ``common.h`` are read with ``git show``, built under
-the op namespace ``aftbase`` (with aftlab's compiler flags) and loaded beside this checkout's
-kernels. Each round times one call of each build, alternating, so a slow spell of a shared
-machine hits both; the report is the fastest round of each (ms), forward with the statistics
+the op namespace ``aftbase`` (with aftlab's compiler flags, or ``--base-cflags``: the same
+source under other flags) and loaded beside this checkout's kernels. ``--conv`` times
+aft-conv's form (one key per head, 4 heads, a shared kernel ``w (1, 4, W)``) instead of
+aft-local's (a key per channel, a bias row per query). Each round times one call of each
+build, alternating, so a slow spell of a shared machine hits both; the report is the fastest round of each (ms), forward with the statistics
 saved (as training runs it) and the backward alone, B = 4, d = 256, float32, and the largest
 difference between the two builds' outputs and gradients.
 """
@@ -28,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CSRC = "src/aftlab/kernels/csrc"
 
 
-def build_base(rev: str, folder: Path) -> None:
+def build_base(rev: str, folder: Path, cflags: list[str]) -> None:
     """Build ``rev``'s band kernel into ``folder`` as the ops ``aftbase::band[_backward]``."""
     for name in ("band.cpp", "common.h"):
         text = subprocess.run(
@@ -40,7 +42,7 @@ def build_base(rev: str, folder: Path) -> None:
         (folder / name).write_text(text)
     from torch.utils.cpp_extension import load
 
-    load("aftlab_band_base", [str(folder / "band.cpp")], extra_cflags=_build.cflags(),
+    load("aftlab_band_base", [str(folder / "band.cpp")], extra_cflags=cflags,
          extra_ldflags=["-fopenmp"], build_directory=str(folder), is_python_module=False)
 
 
@@ -50,12 +52,15 @@ def timed(fn, *args) -> float:
     return time.perf_counter() - t0
 
 
-def compare(ops: dict, T: int, s: int, causal: bool, rounds: int) -> str:
+def compare(ops: dict, T: int, s: int, causal: bool, rounds: int, conv: bool = False) -> str:
     """One table row: the fastest forward (statistics saved) and backward of each build."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(4, T, 256, generator=g) for _ in range(3))
     lo, hi = s - 1, 0 if causal else s - 1
-    w = 0.1 * torch.randn(T, 1, lo + hi + 1, generator=g, dtype=torch.float64)
+    rows, groups = (1, 4) if conv else (T, 1)
+    if conv:
+        k = torch.randn(4, T, groups, generator=g)
+    w = 0.1 * torch.randn(rows, groups, lo + hi + 1, generator=g, dtype=torch.float64)
     gy = torch.randn(4, T, 256, generator=g)
     geo = (lo, hi, causal, None)
     out = {n: op.band(q, k, v, w, *geo, True) for n, op in ops.items()}
@@ -79,23 +84,28 @@ def main() -> None:
     p.add_argument("--lengths", default="256,4096")
     p.add_argument("--windows", default="1,32")
     p.add_argument("--non-causal", action="store_true")
+    p.add_argument("--conv", action="store_true", help="aft-conv's form: one key per head")
+    p.add_argument("--base-cflags", help="compiler flags of the base build (default: aftlab's)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=12)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     assert kernels.load(), kernels.status()
     with tempfile.TemporaryDirectory() as tmp:
-        build_base(a.base, Path(tmp))
+        flags = a.base_cflags.split() if a.base_cflags else _build.cflags()
+        build_base(a.base, Path(tmp), flags)
         ops = {"base": torch.ops.aftbase, "this": torch.ops.aftlab}
         causal = not a.non_causal
-        print(f"band kernel, {a.base} (base) against this checkout; B 4, d 256, float32, "
+        form = "aft-conv (4 heads, a key each)" if a.conv else "aft-local (a key per channel)"
+        print(f"band kernel, {a.base} (base, flags {' '.join(flags)}) against this checkout "
+              f"(flags {' '.join(_build.cflags())}); {form}, B 4, d 256, float32, "
               f"{a.threads} threads, {'causal' if causal else 'non-causal'}, fastest of "
               f"{a.rounds} alternating rounds")
         print("| T | s | forward base / this | backward base / this | max diff y, grads |")
         print("|---|---|---|---|---|")
         for T in map(int, a.lengths.split(",")):
             for s in map(int, a.windows.split(",")):
-                print(compare(ops, T, s, causal, a.rounds))
+                print(compare(ops, T, s, causal, a.rounds, a.conv))
 
 if __name__ == "__main__":
     main()

@@ -17,7 +17,7 @@ import torch
 from aftlab.bench import OPS, BenchConfig, Shape, cases, run_bench
 from aftlab.bench.cases import PEERS, WKV, Spec
 from aftlab.bench.measure import check, execute, tensor_bytes
-from aftlab.bench.report import CSV_FIELDS, ratios
+from aftlab.bench.report import CSV_FIELDS, TARGETS, ratios, target_table, targets
 from aftlab.cli import main as aftlab_main
 from aftlab.mixers import available_mixers, registry
 from aftlab.mixers.aft.simple import AFTSimple
@@ -270,6 +270,39 @@ def test_measured_ratios():
         ("aft-full (non-causal) / aft-full-matmul", "train", 2048): 0.8,
         ("aft-full: causal / non-causal", "train", 2048): 0.75,
     })
+
+
+def test_targets_say_met_or_by_how_much_they_are_missed():
+    cfg = {"device": "cpu", "batch": 4, "dim": 256, "dtype": "float32", "threads": 2}
+    rows = [
+        _fake("attention", "train", 256, 3.0),
+        _fake("aft-local", "train", 256, 2.0),  # 1.5x: met exactly
+        _fake("aft-conv", "train", 256, 2.5),  # 1.2x: missed by 1.25x
+        _fake("attention", "train", 4096, 12.0),
+        _fake("aft-local", "train", 4096, 2.0),  # 6x of 12: missed by 2x
+        _fake("aft-simple", "train", 4096, 1.0),  # no target
+    ]
+    result = {"results": rows, "config": cfg}
+    result["ratios"] = ratios(result)
+    got = {(x["ratio"], x["T"]): (x["target"], x["verdict"]) for x in targets(result)}
+    assert got == {
+        ("attention / aft-local", 256): (">= 1.5", "met"),
+        ("attention / aft-conv", 256): (">= 1.5", "missed by 1.25x"),
+        ("attention / aft-local", 4096): (">= 12", "missed by 2.00x"),
+    }
+    text = "\n".join(target_table(result))
+    assert "| attention / aft-local (train) | 4096 | 6 | >= 12 | missed by 2.00x |" in text
+    # another regime (batch, threads) or device has none of these targets
+    for other in ({"batch": 8}, {"threads": 1}, {"device": "cuda"}):
+        assert targets({**result, "config": {**cfg, **other}}) == []
+    # a bound from above (CUDA, every T): aft-full over its two products
+    cuda = {**cfg, "device": "cuda:0"}
+    rows = [_fake("aft-full", "train", 2048, 2.0, causal=False),
+            _fake("aft-full-matmul", "train", 2048, 1.0, causal=False)]
+    result = {"results": rows, "config": cuda}
+    result["ratios"] = ratios(result)
+    assert [x["verdict"] for x in targets(result)] == ["missed by 1.33x"]
+    assert all(op in (">=", "<=") for op, _ in TARGETS.values())
 
 
 @pytest.fixture

@@ -145,6 +145,27 @@ print("ok", err)
 """
 
 
+@pytest.mark.parametrize(
+    ("capability", "avx2", "avx512"),
+    [("AVX512", True, True), ("AVX2", True, False), ("DEFAULT", False, False)],
+)
+def test_vector_flags_follow_the_cpu_capability_and_key_the_cache(
+    monkeypatch, capability, avx2, avx512
+):
+    """AVX2 where torch reports AVX2 or AVX512, AVX-512 (F, DQ, VL, BW) only with AVX512; the
+    flags enter the build key, so a cache shared by two CPUs keeps one build for each."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    flags = _build.cflags()
+    assert ("-mavx2" in flags) is avx2 and ("-mfma" in flags) is avx2
+    assert all((f in flags) is avx512 for f in _build.AVX512)
+    assert "-march=native" not in flags
+    keys = set()
+    for cap in ("AVX512", "AVX2", "DEFAULT"):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda cap=cap: cap)
+        keys.add(_build.build_key())
+    assert len(keys) == 3
+
+
 @needs_kernels
 @pytest.mark.slow
 def test_two_processes_build_into_an_empty_cache_at_once(tmp_path):

@@ -15,7 +15,10 @@ from .._plotting import pyplot
 from .._system import format_bytes
 from ..errors import UsageError
 
-__all__ = ["ratios", "summary_markdown", "state_table", "write_report", "ROW_FIELDS", "CSV_FIELDS"]
+__all__ = [
+    "ratios", "targets", "target_table", "summary_markdown", "state_table", "write_report",
+    "ROW_FIELDS", "CSV_FIELDS", "TARGETS",
+]  # fmt: skip
 
 #: One result row (a case); the CSV adds the machine columns to each.
 ROW_FIELDS = (
@@ -32,6 +35,19 @@ TITLES = {
     "decode": "One decoding step at position T (module level)",
 }
 NC = " (non-causal)"
+
+#: The project's open speed targets, as measured ratios: ``(ratio, mode, T or None for every T,
+#: device type) -> (">=" or "<=", bound)``, in the regime :data:`TARGET_REGIME` (and 2 threads on
+#: CPU). CPU: the band on matrix products (issue 24); CUDA: the Triton kernels (issue 25).
+TARGETS: dict[tuple[str, str, int | None, str], tuple[str, float]] = {
+    ("attention / aft-local", "train", 256, "cpu"): (">=", 1.5),
+    ("attention / aft-local", "train", 4096, "cpu"): (">=", 12.0),
+    ("attention / aft-conv", "train", 256, "cpu"): (">=", 1.5),
+    ("attention / aft-conv", "train", 4096, "cpu"): (">=", 10.0),
+    ("attention / aft-local", "train", 8192, "cuda"): (">=", 8.0),
+    ("aft-full (non-causal) / aft-full-matmul", "train", None, "cuda"): ("<=", 1.5),
+}
+TARGET_REGIME = {"batch": 4, "dim": 256, "dtype": "float32"}
 
 
 def _label(r: dict) -> str:
@@ -65,6 +81,41 @@ def ratios(result: dict) -> list[dict]:
             out.append((f"{lab}: growth exponent", mode, T, math.log(time / t0) / math.log(T / T0)))
         prev[lab, mode] = (T, time)
     return [dict(zip(("ratio", "mode", "T", "value"), x, strict=True)) for x in out]
+
+
+def targets(result: dict) -> list[dict]:
+    """The measured ratios that have a target in :data:`TARGETS` on this run's device, each
+    ``{ratio, mode, T, value, target, verdict}``: ``verdict`` is ``"met"`` or ``"missed by
+    1.34x"`` (the factor the ratio is short of its bound). None outside the targets' regime."""
+    cfg = result.get("config", {})
+    device = str(cfg.get("device", "cpu")).split(":")[0]
+    regime = {**TARGET_REGIME, **({"threads": 2} if device == "cpu" else {})}
+    if any(cfg.get(k) != v for k, v in regime.items()):
+        return []
+    out = []
+    for x in result["ratios"]:
+        key = (x["ratio"], x["mode"])
+        bound = TARGETS.get((*key, x["T"], device)) or TARGETS.get((*key, None, device))
+        if bound is None:
+            continue
+        op, b = bound
+        v = x["value"]
+        short = b / v if op == ">=" else v / b
+        verdict = "met" if short <= 1.0 else f"missed by {short:.2f}x"
+        out.append({**x, "target": f"{op} {b:g}", "verdict": verdict})
+    return out
+
+
+def target_table(result: dict) -> list[str]:
+    """:func:`targets` as a Markdown section (none: nothing)."""
+    rows = targets(result)
+    if not rows:
+        return []
+    lines = ["## Targets", "", "| ratio (mode) | T | measured | target | verdict |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {r['ratio']} ({r['mode']}) | {r['T']} | {r['value']:.3g} | {r['target']} | "
+              f"{r['verdict']} |" for r in rows]
+    return [*lines, ""]
 
 
 def cell(r: dict) -> str:
@@ -147,7 +198,8 @@ def summary_markdown(result: dict) -> str:
     ratio = _grid(
         result["ratios"], lambda x: f"{x['ratio']} ({x['mode']})", "{0[value]:.3g}".format
     )
-    lines += _table("Measured ratios", "ratio (mode)", ratio) + _peers(result["compare"])
+    lines += _table("Measured ratios", "ratio (mode)", ratio) + target_table(result)
+    lines += _peers(result["compare"])
     sizes = result.get("state_sizes", [])
     return "\n".join(lines + state_table(sizes, cfg["dim"], cfg["heads"], cfg["dtype"]))
 

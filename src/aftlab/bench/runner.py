@@ -21,7 +21,7 @@ from . import rwkv4_peers
 from .cases import MATMUL, MODES, PEERS, Op, Shape, Spec
 from .cases import cases as all_cases
 from .measure import check, execute, gate_shape, measure_limits
-from .report import ROW_FIELDS, cell, ratios, state_table, write_report
+from .report import ROW_FIELDS, cell, ratios, state_table, target_table, write_report
 from .states import state_sizes
 
 #: the default lengths of the decoding-state table: 4k, 64k and 1M tokens
@@ -186,7 +186,7 @@ def run_bench(
         for line in write_report(result, Path(cfg.out)):
             run.say(line)
     else:
-        for line in ["", *state_table(sizes, cfg.dim, cfg.heads, cfg.dtype)]:
+        for line in ["", *target_table(result), *state_table(sizes, cfg.dim, cfg.heads, cfg.dtype)]:
             run.say(line)
     return result
 

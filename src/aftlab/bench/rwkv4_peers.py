@@ -720,8 +720,7 @@ def run(shapes: list[str], parts: list[str], *, threads: int = 2, repeats: int =
         say(f"{name}: GEMM rate {rates[name] / 1e9:.1f} GFLOP/s; prefill of {plan.prefill}: "
               f"{prefill_flops(s, plan.prefill) / 1e9:.1f} GFLOP, floor "
               f"{prefill_flops(s, plan.prefill) / rates[name]:.3f} s; decode floor "
-              f"{1e3 * weight_bytes_per_token(s, 4) / bw['bandwidth_bytes_per_s']:.1f} ms/token",
-              flush=True)
+              f"{1e3 * weight_bytes_per_token(s, 4) / bw['bandwidth_bytes_per_s']:.1f} ms/token")
         with tempfile.TemporaryDirectory(prefix="rwkv4-peers-") as tmp:
             hf = hf_model(s, context=max(plan.long, plan.prefill))
             peers = build_peers(hf, Path(tmp))

@@ -38,12 +38,22 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "c++"))
 
 
+# torch's AVX512 capability means F, DQ, VL and BW (ATen's CPU feature checks). GCC's default
+# 256-bit preference is kept: 512-bit loops measured slower for aft-conv's band on an AMD EPYC
+# (benchmarks/band_ab.py-style A/B, docs/kernels.md)
+AVX512 = ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw"]
+
+
 def cflags() -> list[str]:
     """Compiler flags. AVX2/FMA/F16C only where the CPU has AVX2 (every such x86 CPU has FMA and
-    F16C; the flags are part of the cache key)."""
+    F16C), and AVX-512 (F, DQ, VL, BW: what torch's ``AVX512`` capability requires) where torch
+    reports it; the flags are part of the cache key."""
     flags = ["-O3", "-fopenmp", "-fno-trapping-math", "-fno-math-errno"]
-    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap in ("AVX2", "AVX512"):
         flags += ["-mavx2", "-mfma", "-mf16c"]
+    if cap == "AVX512":
+        flags += AVX512
     return flags
 
 
