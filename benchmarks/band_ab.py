@@ -5,12 +5,12 @@ A quick A/B measurement for kernel work, not a test:
     python benchmarks/band_ab.py --base HEAD~1 [--lengths 256,4096] [--windows 1,32]
         [--non-causal] [--conv] [--base-cflags "..."] [--threads 2] [--rounds 12]
 
-The base commit's ``csrc/band.cpp`` and ``common.h`` are read with ``git show``, built under
-the op namespace ``aftbase`` (with aftlab's compiler flags, or ``--base-cflags``: the same
-source under other flags) and loaded beside this checkout's kernels. ``--conv`` times
-aft-conv's form (one key per head, 4 heads, a shared kernel ``w (1, 4, W)``) instead of
-aft-local's (a key per channel, a bias row per query). Each round times one call of each
-build, alternating, so a slow spell of a shared machine hits both; the report is the fastest round of each (ms), forward with the statistics
+The base commit's ``csrc/band.cpp`` and ``common.h`` are read with ``git show``, built under the op
+namespace ``aftbase`` (with aftlab's compiler flags, or ``--base-cflags``: the same source under
+other flags) and loaded beside this checkout's kernels. ``--conv`` times aft-conv's form (one key
+per head, 4 heads, a shared kernel ``w (1, 4, W)``) instead of aft-local's (a key per channel, a
+bias row per query). Each round times one call of each build, alternating, so a slow spell of a
+shared machine hits both; the report is the fastest round of each (ms), forward with the statistics
 saved (as training runs it) and the backward alone, B = 4, d = 256, float32, and the largest
 difference between the two builds' outputs and gradients.
 """
