@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from aftlab.bench import OPS, BenchConfig, Shape, cases, run_bench
-from aftlab.bench.cases import PEERS, WKV, Spec
+from aftlab.bench.cases import PEERS, WKV, Scan, Spec, peer_module
 from aftlab.bench.measure import check, execute, tensor_bytes
 from aftlab.bench.report import CSV_FIELDS, TARGETS, ratios, target_table, targets
 from aftlab.cli import main as aftlab_main
@@ -330,6 +330,27 @@ def test_hf_rwkv_peer_is_gated_timed_and_reported(tmp_path, transformers_install
     assert line.count("x faster") == 2  # T = 8 and 16: how much faster ours is
 
 
+def test_fla_peer_pairs_and_the_hgrn_reference():
+    """fla's kernels need a GPU (run_cuda.sh runs them); here: the pairs build the right modules,
+    ours match their references, and HGRN's float64 reference is its closed form
+    ``h_t = sum_{j<=t} (prod_{j<i<=t} sigma(x_i)) x_j``."""
+    s = Shape(2, 7, 5, 1, 8)
+    package, module, pairs = PEERS["fla"]
+    assert (package, module) == ("flash-linear-attention", "fla")
+    x = torch.randn(2, 7, 5, dtype=torch.float64)
+    for ours, theirs in pairs.items():
+        mine, peer = peer_module("fla", "aftlab", ours, s), peer_module("fla", "fla", theirs, s)
+        assert type(mine) is type(peer) and peer.impl == "fla"
+        mine = mine.double()
+        torch.testing.assert_close(mine(x), mine.reference(x), rtol=1e-10, atol=1e-12)
+    g = torch.sigmoid(x)
+    want = torch.stack([
+        sum(x[:, j] * torch.prod(g[:, j + 1 : t + 1], dim=1) for j in range(t + 1))
+        for t in range(7)
+    ], 1)
+    torch.testing.assert_close(Scan(s, "fla").reference(x), want, rtol=1e-12, atol=1e-12)
+
+
 class _WrongWKV(WKV):
     def forward(self, x):
         return super().forward(x) * 1.01
@@ -340,7 +361,7 @@ def test_peer_gate_refuses_a_wrong_peer_and_a_missing_one_is_a_note(tmp_path, mo
         return _WrongWKV(s, "aftlab") if impl == "hf-rwkv" else WKV(s, impl)
 
     monkeypatch.setattr(importlib.import_module("aftlab.bench.cases"), "WKV", wkv)
-    monkeypatch.setitem(PEERS, "hf-rwkv", ("torch", PEERS["hf-rwkv"][1]))
+    monkeypatch.setitem(PEERS, "hf-rwkv", ("torch", "torch", PEERS["hf-rwkv"][2]))
     rows = _peer_run(tmp_path)["compare"]
     theirs = [r for r in rows if r["impl"] == "hf-rwkv"]
     assert len(theirs) == 4 and all(r["status"] == "failed" for r in theirs)
@@ -348,7 +369,7 @@ def test_peer_gate_refuses_a_wrong_peer_and_a_missing_one_is_a_note(tmp_path, mo
                for r in theirs)
     assert all(r["status"] == "ok" for r in rows if r["impl"] == "aftlab")
 
-    monkeypatch.setitem(PEERS, "hf-rwkv", ("no-such-package-aftlab", {}))
+    monkeypatch.setitem(PEERS, "hf-rwkv", ("no-such-package-aftlab", "no_such_module", {}))
     (row,) = _peer_run(tmp_path)["compare"]
     assert row["status"] == "skipped" and "no-such-package-aftlab is not installed" in row["note"]
     assert "no-such-package-aftlab is not installed" in (tmp_path / "summary.md").read_text()

@@ -242,11 +242,14 @@ def cases() -> dict[str, Op | None]:
 
 
 class WKV(torch.nn.Module):
-    """RWKV's WKV on keys = values = ``x (B, T, d)``, by ``impl`` (``"aftlab"`` or ``"hf-rwkv"``).
+    """RWKV's WKV on keys = values = ``x (B, T, d)``, by ``impl`` (``"aftlab"``, ``"hf-rwkv"``
+    or ``"fla"``).
 
     ``Y_t = sum_{t'<t} e^{-(t-1-t') lambda + K_t'} V_t' + e^{u + K_t} V_t`` over the same sum of
     weights, ``lambda = exp(time_decay)``, ``u = time_first``: ``aft_decay(q = 30, x, x, lambda,
-    u)`` (``sigma(30) = 1`` in float32), or transformers' ``rwkv_linear_attention_cpu``.
+    u)`` (``sigma(30) = 1`` in float32), transformers' ``rwkv_linear_attention_cpu``, or
+    flash-linear-attention's Triton ``fused_recurrent_rwkv4`` (from the empty state: sums 0,
+    shift -1e38; a GPU, or Triton's interpreter).
     """
 
     def __init__(self, s: Shape, impl: str):
@@ -261,6 +264,12 @@ class WKV(torch.nn.Module):
             from transformers.models.rwkv.modeling_rwkv import rwkv_linear_attention_cpu
 
             return rwkv_linear_attention_cpu(self.time_decay, self.time_first, x, x)[0]
+        if self.impl == "fla":
+            from fla.ops.rwkv4 import fused_recurrent_rwkv4
+
+            state = x.new_zeros(x.shape[0], 3, 1, x.shape[2])
+            state[:, 2] = -1e38  # the shift of the empty state
+            return fused_recurrent_rwkv4(self.time_decay, self.time_first, x, x, state)[0]
         return aft_decay(self.q, x, x, self.time_decay.exp(), self.time_first)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
@@ -268,18 +277,57 @@ class WKV(torch.nn.Module):
         return aft_decay_reference(self.q, x, x, self.time_decay.exp(), self.time_first)
 
 
-#: Peers: their package (imported as ``package.replace("-", "_")``) and their module beside each
-#: of ours (aft-pytorch non-causal, hf-rwkv causal); :func:`peer_module` builds them.
-PEERS: dict[str, tuple[str, dict[str, str]]] = {
-    "aft-pytorch": ("aft-pytorch", {"aft-full": "AFTFull", "aft-simple": "AFTSimple"}),
-    "hf-rwkv": ("transformers", {"aft-decay": "rwkv_linear_attention_cpu"}),
-}
+class Scan(torch.nn.Module):
+    """A gated scan beside a causal AFT-simple, on ``x (B, T, d)``, by ``impl``: ``"aftlab"``
+    (``aft_simple(q = 30, x, x)``, the prefix softmax average ``sum_{t'<=t} e^{x_t'} x_t' /
+    sum_{t'<=t} e^{x_t'}``) or ``"fla"`` (HGRN's ``fused_recurrent_hgrn``, ``h_t = e^{g_t}
+    h_{t-1} + x_t`` with ``g = log sigmoid(x)``): two one-pass scans over ``B T d``, not the
+    same formula (a speed comparison; each checked against its own float64 reference)."""
+
+    def __init__(self, s: Shape, impl: str):
+        super().__init__()
+        self.impl = impl
+        self.register_buffer("q", torch.full((s.B, s.T, s.d), 30.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.impl == "fla":
+            from fla.ops.hgrn import fused_recurrent_hgrn
+
+            return fused_recurrent_hgrn(x, F.logsigmoid(x))[0]
+        return aft_simple(self.q, x, x, causal=True)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The float64 reference of the same scan (HGRN: its recurrence, step by step)."""
+        if self.impl != "fla":
+            return aft_simple_reference(self.q, x, x, causal=True)
+        g, h, out = F.logsigmoid(x).exp(), torch.zeros_like(x[:, 0]), []
+        for t in range(x.shape[1]):
+            h = g[:, t] * h + x[:, t]
+            out.append(h)
+        return torch.stack(out, 1)
+
+
+#: Peers: their package on PyPI, the module it installs, and their module beside each of ours
+#: (aft-pytorch non-causal; hf-rwkv and fla causal, fla's Triton kernels on a GPU);
+#: :func:`peer_module` builds them.
+PEERS: dict[str, tuple[str, str, dict[str, str]]] = {
+    "aft-pytorch": (
+        "aft-pytorch", "aft_pytorch", {"aft-full": "AFTFull", "aft-simple": "AFTSimple"},
+    ),
+    "hf-rwkv": ("transformers", "transformers", {"aft-decay": "rwkv_linear_attention_cpu"}),
+    "fla": (
+        "flash-linear-attention", "fla",
+        {"aft-decay": "fused_recurrent_rwkv4", "aft-simple": "fused_recurrent_hgrn"},
+    ),
+}  # fmt: skip
 
 
 def peer_module(peer: str, impl: str, variant: str, s: Shape) -> torch.nn.Module:
     """Module ``variant`` of ``impl`` (``"aftlab"`` or the peer) in the pairs of ``peer``."""
-    if peer == "hf-rwkv":
+    if peer == "hf-rwkv" or (peer == "fla" and variant in ("aft-decay", "fused_recurrent_rwkv4")):
         return WKV(s, impl)
+    if peer == "fla":
+        return Scan(s, impl)
     if impl == "aftlab":
         return build_mixer(variant, d_model=s.d, n_heads=1, causal=False, max_seq_len=s.T)
     return getattr(import_module("aft_pytorch"), variant)(max_seqlen=s.T, dim=s.d, hidden_dim=s.d)

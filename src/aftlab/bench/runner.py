@@ -257,8 +257,8 @@ class _Run:
 
     def peer(self, peer: str) -> list[dict]:
         """The rows of one peer: each of its modules and ours beside it, in each mode."""
-        package, pairs = PEERS[peer]
-        if importlib.util.find_spec(package.replace("-", "_")) is None:
+        package, module, pairs = PEERS[peer]
+        if importlib.util.find_spec(module) is None:
             self.say(f"{peer} skipped: {package} is not installed (pip install {package})")
             return [{"peer": peer, "status": "skipped", "note": f"{package} is not installed"}]
         cfg, rows = self.cfg, []
