@@ -280,7 +280,11 @@ def test_targets_say_met_or_by_how_much_they_are_missed():
         _fake("aft-conv", "train", 256, 2.5),  # 1.2x: missed by 1.25x
         _fake("attention", "train", 4096, 12.0),
         _fake("aft-local", "train", 4096, 2.0),  # 6x of 12: missed by 2x
-        _fake("aft-simple", "train", 4096, 1.0),  # no target
+        _fake("aft-simple", "train", 4096, 1.0),  # 12x of 30
+        _fake("aft-simple", "train", 128, 1.0),  # no target below T = 256
+        _fake("attention", "train", 128, 2.0),
+        _fake("aft-local", "train", 1024, 1.0),  # every T >= 256 without its own: >= 1
+        _fake("attention", "train", 1024, 0.5),
     ]
     result = {"results": rows, "config": cfg}
     result["ratios"] = ratios(result)
@@ -289,6 +293,8 @@ def test_targets_say_met_or_by_how_much_they_are_missed():
         ("attention / aft-local", 256): (">= 1.5", "met"),
         ("attention / aft-conv", 256): (">= 1.5", "missed by 1.25x"),
         ("attention / aft-local", 4096): (">= 12", "missed by 2.00x"),
+        ("attention / aft-simple", 4096): (">= 30", "missed by 2.50x"),
+        ("attention / aft-local", 1024): (">= 1", "missed by 2.00x"),
     }
     text = "\n".join(target_table(result))
     assert "| attention / aft-local (train) | 4096 | 6 | >= 12 | missed by 2.00x |" in text
