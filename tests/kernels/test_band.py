@@ -199,6 +199,23 @@ def test_local_factorised_and_exact_rows_in_one_sequence(dtype, causal):
     _check_local(args, 8, causal, _mask(2, T))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("causal", [True, False])
+def test_local_backward_blocks_with_key_jumps_inside_and_across_blocks(dtype, causal):
+    """The backward's band runs by blocks of 64 queries with one shift per block (the largest
+    key before the block, causal). A key 30 above it inside a block sends the queries from it
+    on to the exact path; a lasting rise of 20 from position 150 raises the next blocks' shift;
+    keys 40 below everything before them (position 230 on) underflow their e_u, which only the
+    exact sums may then carry. The window (40) spans block boundaries; padding as elsewhere."""
+    T, d = 300, 5
+    q, k, v, w = (x.detach() for x in _local_inputs(2, T, d, dtype=dtype, seed=7))
+    k[:, 100] += 30.0
+    k[:, 150:] += 20.0
+    k[:, 230:] -= 60.0
+    args = [x.requires_grad_() for x in (q, k, v, w)]
+    _check_local(args, 40, causal, _mask(2, T))
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_near_float32_max_stays_finite(causal):
     big = torch.finfo(torch.float32).max

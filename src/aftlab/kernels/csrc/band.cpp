@@ -49,11 +49,11 @@
 // E_t / den_t (exp(k_t' - M_t) <= 1 for every query that sees t'). One reverse pass over keys
 // keeps the band's queries (dO, E, M, 1/den) in a ring of W rows; non-causal, a forward pass
 // first writes the query-prefix part into dk, dv. Per-channel keys (aft-local) leave the band to
-// a last pass forward over queries with the band's keys in a ring (band_keys), factorised as
-// the forward: P = exp(w - a_t) exp(k - b) p_t, p_t = exp(a_t + b - M_t) / den_t, so the band
-// costs FMAs and O(T (d + W)) exps; a query with a live channel outside that range takes the
-// exact P. dw is accumulated per task into its own
-// float64 buffer and the buffers are summed in task order: deterministic, no atomics.
+// a last pass forward over queries by blocks of BQ (band_keys): P = A e_u p_t with one shift b
+// per block, the transposed products per key in registers (key_block; docs/kernels.md, "The
+// band by blocks"); a query with a live channel outside that range takes the exact P. dw is
+// accumulated per task into its own float64 buffer and the buffers are summed in task order:
+// deterministic, no atomics.
 // A query with no upstream gradient in a key's channels (g = 0; dO = E = 0 by a select) is left
 // out of the scans, and in the ring its shift is +inf and 1/den 0, so P = 0 exactly for finite
 // keys; a ring row with no gradient in any channel is skipped. Causal, gradients from the
@@ -117,6 +117,12 @@ AFTLAB_ELEM T exp_fine(double x) {
 template <typename T>
 constexpr T FLOOR = std::is_same_v<T, double> ? T(0x1p-600) : T(0x1p-64);
 constexpr double BIG = 0x1p20;
+// The backward's blocks: BQ queries against the keys of their window, one shift b per block; a
+// key of the block above b by more than MARGIN (e^16 ~ 9e6) sends the queries that see it to the
+// exact path, so every factor stays far inside float's range.
+constexpr int64_t BQ = 64;
+constexpr double MARGIN = 16.0;
+constexpr int KL = 16;  // channels per step of key_block
 
 // x > 0 finite normal as f 2^e with f in [1, 2): returns e, sets f. The bit layout of float
 // (23 mantissa bits, exponent bias 127) or double (52, 1023).
@@ -288,6 +294,65 @@ inline void band_sums<float, 32>(const float* ek, int64_t sk, const float* ekv, 
   _mm256_storeu_ps(den + 16, d2), _mm256_storeu_ps(den + 24, d3);
   _mm256_storeu_ps(num, n0), _mm256_storeu_ps(num + 8, n1);
   _mm256_storeu_ps(num + 16, n2), _mm256_storeu_ps(num + 24, n3);
+}
+#endif
+
+// One key of the backward's block over channels [0, L): accd = sum_r a_r PD_r, acce = sum_r a_r
+// PE_r (the rows PD + rows[r] RS), and part_r += PD_r ev - PE_r ek lane by lane (the key's dw
+// dot products, summed over the lanes by the caller). One pass over the rows: two loads of
+// them per four multiply-adds, the key's ek, ev and sums in registers.
+template <typename T, int L>
+inline void key_block(const T* PD, const T* PE, int64_t RS, const int64_t* rows, const T* a,
+                      int64_t nr, const T* ek, const T* ev, T* accd, T* acce, T* part,
+                      int64_t ps = L) {
+  T d[L], e[L], kk[L], vv[L];
+  #pragma omp simd
+  for (int l = 0; l < L; ++l) {
+    d[l] = T(0), e[l] = T(0), kk[l] = ek[l], vv[l] = ev[l];
+  }
+  for (int64_t r = 0; r < nr; ++r) {
+    const T *pd = PD + rows[r] * RS, *pe = PE + rows[r] * RS;
+    const T ar = a[r];
+    T* pr = part + r * ps;
+    #pragma omp simd
+    for (int l = 0; l < L; ++l) {
+      d[l] += ar * pd[l];
+      e[l] += ar * pe[l];
+      pr[l] += pd[l] * vv[l] - pe[l] * kk[l];
+    }
+  }
+  #pragma omp simd
+  for (int l = 0; l < L; ++l) {
+    accd[l] = d[l];
+    acce[l] = e[l];
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// float on AVX2: the 16 channels' ek, ev and two sums in 8 registers.
+template <>
+inline void key_block<float, 16>(const float* PD, const float* PE, int64_t RS,
+                                 const int64_t* rows, const float* a, int64_t nr,
+                                 const float* ek, const float* ev, float* accd, float* acce,
+                                 float* part, int64_t ps) {
+  const __m256 k0 = _mm256_loadu_ps(ek), k1 = _mm256_loadu_ps(ek + 8);
+  const __m256 v0 = _mm256_loadu_ps(ev), v1 = _mm256_loadu_ps(ev + 8);
+  __m256 d0 = _mm256_setzero_ps(), d1 = d0, e0 = d0, e1 = d0;
+  for (int64_t r = 0; r < nr; ++r) {
+    const float *pd = PD + rows[r] * RS, *pe = PE + rows[r] * RS;
+    const __m256 ar = _mm256_set1_ps(a[r]);
+    const __m256 p0 = _mm256_loadu_ps(pd), p1 = _mm256_loadu_ps(pd + 8);
+    const __m256 q0 = _mm256_loadu_ps(pe), q1 = _mm256_loadu_ps(pe + 8);
+    d0 = _mm256_fmadd_ps(ar, p0, d0), d1 = _mm256_fmadd_ps(ar, p1, d1);
+    e0 = _mm256_fmadd_ps(ar, q0, e0), e1 = _mm256_fmadd_ps(ar, q1, e1);
+    float* pr = part + r * ps;
+    __m256 s0 = _mm256_fnmadd_ps(q0, k0, _mm256_mul_ps(p0, v0));
+    __m256 s1 = _mm256_fnmadd_ps(q1, k1, _mm256_mul_ps(p1, v1));
+    _mm256_storeu_ps(pr, _mm256_add_ps(_mm256_loadu_ps(pr), s0));
+    _mm256_storeu_ps(pr + 8, _mm256_add_ps(_mm256_loadu_ps(pr + 8), s1));
+  }
+  _mm256_storeu_ps(accd, d0), _mm256_storeu_ps(accd + 8, d1);
+  _mm256_storeu_ps(acce, e0), _mm256_storeu_ps(acce + 8, e1);
 }
 #endif
 
@@ -655,120 +720,168 @@ void band_bwd(const T* __restrict__ GY, const T* __restrict__ Q, const T* __rest
           std::copy(accv.begin(), accv.end(), dv);
         }
       }
-      // Per-channel keys: the band part, one pass forward over queries with the band's keys in a
-      // ring of R rows: exp(k - b) (b the forward's shift: causal, the largest valid key
-      // t' <= t, its rows recomputed where it rises; non-causal, of all keys) and the band sums
-      // of dv, dk. P = exp(w - a_t) exp(k - b) p_t with p_t = exp(a_t + b - M_t) / den_t, the
-      // exps O(T (d + W)); a query with a live channel outside the factorised range (p_t would
-      // pass 2^65, |b| or |a_t| > 2^20, no key, NaN) takes the exact P = exp(k + w - M_t) / den_t.
-      // A key is finished when it leaves the band: dv += band sums, dk += band sum + v dv.
+      // Per-channel keys: the band part, by blocks of BQ queries against the keys of their window
+      // (docs/kernels.md, "The band by blocks"). P = A_{t,u} e_u p_t with A = exp(w - a_t)
+      // (0 for a padded key), e_u = exp(k_u - b), p_t = exp(a_t + b - M_t) / den_t, and b per
+      // channel one shift for the block: causal, the largest valid key t' <= t0 (every query of
+      // the block sees those keys, so no later input reaches it); non-causal, of all keys. Then
+      //   dv_u += e_u (A^T PD)_u,  dk_u -= e_u (A^T PE)_u,
+      //   dw_{t,u} = A (PD_t . e_u v_u - PE_t . e_u)
+      // with PD = p dO, PE = p E: per key over the block's queries (key_block), no exponential
+      // per (query, key, channel). A query takes the exact P = exp(k + w - M_t) / den_t where a
+      // live channel is outside that range (p_t would pass 2^65, |b| or |a_t| > 2^20, a key of
+      // the block up to t above b by more than MARGIN, no key, NaN); a key above b by more than
+      // MARGIN is seen only by such queries, so its e_u is 0. A key is finished (dk += v dv)
+      // after the last block that sees it.
       auto band_keys = [&] {
-        std::vector<double> bsh(nk, NEG_INF), qM(nk);
-        std::vector<T> ek(R * nk), bv(R * cn), bk(R * nk), qdo(cn), qE(nk), qL(nk), qI(nk),
-            Pt(nk), pB(nk), ew(geo.W);
-        auto raise = [&](int64_t t) {
-          const T* k = K + kx(t);
-          for (int64_t c = 0; c < nk; ++c) bsh[c] = k[c] > bsh[c] ? k[c] : bsh[c];
+        const int64_t W = geo.W, NW = BQ + lo + hi;
+        const int64_t RS = cn + 64 / static_cast<int64_t>(sizeof(T));  // row stride (L1 sets)
+        std::vector<double> bsh(nk, NEG_INF), brise(nk), qM(nk);
+        std::vector<T> PD(BQ * RS), PE(BQ * RS), EK(NW * RS), EV(NW * RS), A(BQ * W),
+            part(BQ * KL), qdo(cn), qE(nk), qL(nk), qI(nk), Pt(nk), accd(cn), acce(cn), av(BQ);
+        std::vector<int64_t> rows(BQ);
+        std::vector<char> good(BQ);
+        auto fold_max = [&](double* b, int64_t u) {
+          const T* k = K + kx(u);
+          #pragma omp simd
+          for (int64_t c = 0; c < nk; ++c) b[c] = k[c] > b[c] ? static_cast<double>(k[c]) : b[c];
         };
         if (!geo.causal)
-          for (int64_t t = 0; t < Tn; ++t)
-            if (valid(t)) raise(t);
-        auto put = [&](int64_t u, int64_t c0, int64_t c1) {
-          const T* k = K + kx(u);
-          T* e = ek.data() + (u % R) * nk;
-          #pragma omp simd
-          for (int64_t c = c0; c < c1; ++c) e[c] = exp_fine<T>(static_cast<double>(k[c]) - bsh[c]);
-        };
-        auto enter = [&](int64_t u) {
-          put(u, 0, nk);
-          std::fill_n(bv.data() + (u % R) * cn, cn, T(0));
-          std::fill_n(bk.data() + (u % R) * nk, nk, T(0));
-        };
-        auto query = [&](int64_t t) {
-          prep(t, qdo.data(), qE.data(), qL.data(), false);
-          const double* wr = Wb + ((geo.Tb == 1 ? 0 : t) * geo.G + tk.g) * geo.W;
-          const int64_t ua = std::max<int64_t>(0, t - lo), uz = std::min(Tn - 1, t + hi);
-          double a0 = 0.0;  // the forward's a_t
-          for (int64_t u = ua; u <= uz; ++u)
-            if (valid(u)) a0 = wr[u - t + lo] > a0 ? wr[u - t + lo] : a0;
-          for (int64_t u = ua; u <= uz; ++u)
-            ew[u - t + lo] = a0 <= BIG ? exp_fine<T>(wr[u - t + lo] - a0) : T(0);
-          const double* Ms = MX + kx(t);
-          const T* Is = IV + kx(t);
-          T live = 0, bad = 0;
-          #pragma omp simd reduction(+ : live, bad)
-          for (int64_t c = 0; c < nk; ++c) {
-            const bool on = qL[c] != T(0);
-            const double x = a0 + bsh[c] - Ms[c];
-            const bool ok = (Is[c] > T(0)) & (std::abs(bsh[c]) <= BIG) & (a0 <= BIG) & (x <= 45.0);
-            Pt[c] = on && ok ? exp_fine<T>(ok ? x : 0.0) * Is[c] : T(0);
-            qM[c] = on ? Ms[c] : std::numeric_limits<double>::infinity();
-            qI[c] = on ? Is[c] : T(0);
-            live += on ? T(1) : T(0);
-            bad += on && !ok ? T(1) : T(0);
+          for (int64_t u = 0; u < Tn; ++u)
+            if (valid(u)) fold_max(bsh.data(), u);
+        int64_t folded = 0, finished = 0;
+        auto finish = [&](int64_t u1) {  // dk += v dv for the keys before u1
+          for (; finished < u1; ++finished) {
+            if (!valid(finished)) continue;
+            T *dk = DK + kx(finished), *dv = DV + vx(finished);
+            const T* v = V + vx(finished);
+            #pragma omp simd
+            for (int64_t c = 0; c < cn; ++c) dk[c] += v[c] * dv[c];
           }
-          if (live == T(0)) return;  // no upstream gradient: contributes exactly 0
-          if (bad == T(0)) {  // the query's factors once: P dO = ew e (p dO), P E = ew e (p E)
+        };
+        for (int64_t t0 = 0; t0 < Tn; t0 += BQ) {
+          const int64_t t1 = std::min(Tn, t0 + BQ);
+          const int64_t u0 = std::max<int64_t>(0, t0 - lo), u1 = std::min(Tn, t1 + hi);
+          if (geo.causal) {
+            for (; folded <= t0; ++folded)
+              if (valid(folded)) fold_max(bsh.data(), folded);
+          }
+          std::copy(bsh.begin(), bsh.end(), brise.begin());
+          for (int64_t u = u0; u < u1; ++u) {  // the window's e_u and e_u v_u
+            T *ek = EK.data() + (u - u0) * RS, *ev = EV.data() + (u - u0) * RS;
+            if (!valid(u)) {
+              std::fill_n(ek, cn, T(0));
+              std::fill_n(ev, cn, T(0));
+              continue;
+            }
+            const T *k = K + kx(u), *v = V + vx(u);
             #pragma omp simd
             for (int64_t c = 0; c < cn; ++c) {
-              pB[c] = Pt[c] * qE[c];
-              Pt[c] *= qdo[c];
+              const double x = static_cast<double>(k[c]) - bsh[c];
+              const bool ok = (x <= MARGIN) & (std::abs(bsh[c]) <= BIG);
+              ek[c] = ok ? exp_fine<T>(ok ? x : 0.0) : T(0);
+              ev[c] = ek[c] * v[c];
             }
           }
-          for (int64_t u = ua; u <= uz; ++u) {
-            if (!valid(u)) continue;
-            const int64_t jw = u - t + lo, wi = ((geo.Tb == 1 ? 0 : t) * geo.G + tk.g) * geo.W + jw;
-            const T* __restrict__ v = V + vx(u);
-            const T* __restrict__ k = K + kx(u);
-            const T* __restrict__ e = ek.data() + (u % R) * nk;
-            const T *__restrict__ pd_ = Pt.data(), *__restrict__ pe_ = pB.data(),
-                    *__restrict__ dO = qdo.data(), *__restrict__ Et = qE.data();
-            T* __restrict__ sv = bv.data() + (u % R) * cn;
-            T* __restrict__ sk = bk.data() + (u % R) * nk;
-            T sum = 0;  // dw: sum of P (dO . v - E) over the task's channels
+          for (int64_t t = t0; t < t1; ++t) {  // the queries' factors, or their exact pairs
+            const int64_t i = t - t0;
+            T *pd = PD.data() + i * RS, *pe = PE.data() + i * RS, *ai = A.data() + i * W;
+            good[i] = 0;
+            std::fill_n(ai, W, T(0));
+            if (geo.causal && t > t0 && valid(t)) fold_max(brise.data(), t);
+            prep(t, qdo.data(), qE.data(), qL.data(), false);
+            const double* wr = Wb + ((geo.Tb == 1 ? 0 : t) * geo.G + tk.g) * W;
+            const int64_t ua = std::max<int64_t>(0, t - lo), uz = std::min(Tn - 1, t + hi);
+            double a0 = 0.0;  // the forward's a_t
+            for (int64_t u = ua; u <= uz; ++u)
+              if (valid(u)) a0 = wr[u - t + lo] > a0 ? wr[u - t + lo] : a0;
+            const double* Ms = MX + kx(t);
+            const T* Is = IV + kx(t);
+            T live = 0, bad = 0;
+            #pragma omp simd reduction(+ : live, bad)
+            for (int64_t c = 0; c < nk; ++c) {
+              const bool on = qL[c] != T(0);
+              const double x = a0 + bsh[c] - Ms[c];
+              const bool ok = (Is[c] > T(0)) & (std::abs(bsh[c]) <= BIG) & (a0 <= BIG) &
+                              (x <= 45.0) & (brise[c] - bsh[c] <= MARGIN);
+              Pt[c] = on && ok ? exp_fine<T>(ok ? x : 0.0) * Is[c] : T(0);
+              qM[c] = on ? Ms[c] : std::numeric_limits<double>::infinity();
+              qI[c] = on ? Is[c] : T(0);
+              live += on ? T(1) : T(0);
+              bad += on && !ok ? T(1) : T(0);
+            }
+            if (live == T(0)) {  // no upstream gradient: contributes exactly 0
+              std::fill_n(pd, cn, T(0));
+              std::fill_n(pe, cn, T(0));
+              continue;
+            }
             if (bad == T(0)) {
-              const T ewj = ew[jw];
-              #pragma omp simd reduction(+ : sum)
+              good[i] = 1;
+              for (int64_t u = ua; u <= uz; ++u)
+                if (valid(u)) ai[u - t + lo] = exp_fine<T>(wr[u - t + lo] - a0);
+              #pragma omp simd
               for (int64_t c = 0; c < cn; ++c) {
-                const T P = ewj * e[c];
-                const T pd = P * pd_[c], pe = P * pe_[c];
-                sv[c] += pd;
-                sk[c] -= pe;
-                sum += v[c] * pd - pe;
+                pd[c] = Pt[c] * qdo[c];
+                pe[c] = Pt[c] * qE[c];
               }
-            } else {
-              const double wv = wr[jw];
+              continue;
+            }
+            std::fill_n(pd, cn, T(0));
+            std::fill_n(pe, cn, T(0));
+            for (int64_t u = ua; u <= uz; ++u) {  // exact pairs, straight into dv, dk, dw
+              if (!valid(u)) continue;
+              const T *__restrict__ v = V + vx(u), *__restrict__ k = K + kx(u);
+              T *__restrict__ dv = DV + vx(u), *__restrict__ dk = DK + kx(u);
+              const double wv = wr[u - t + lo];
+              T sum = 0;
               #pragma omp simd reduction(+ : sum)
               for (int64_t c = 0; c < cn; ++c) {
                 const T P = expd<T>(static_cast<double>(k[c]) + wv - qM[c]) * qI[c];
-                const T pd = P * dO[c], pe = P * Et[c];
-                sv[c] += pd;
-                sk[c] -= pe;
-                sum += v[c] * pd - pe;
+                const T pdc = P * qdo[c], pec = P * qE[c];
+                dv[c] += pdc;
+                dk[c] -= pec;
+                sum += v[c] * pdc - pec;
               }
+              dwp[((geo.Tb == 1 ? 0 : t) * geo.G + tk.g) * W + u - t + lo] +=
+                  static_cast<double>(sum);
             }
-            dwp[wi] += static_cast<double>(sum);
           }
-        };
-        auto finish = [&](int64_t u) {
-          T *dk = DK + kx(u), *dv = DV + vx(u);
-          const T *v = V + vx(u), *sv = bv.data() + (u % R) * cn, *sk = bk.data() + (u % R) * nk;
-          #pragma omp simd
-          for (int64_t c = 0; c < cn; ++c) {
-            dv[c] += sv[c];
-            dk[c] = (dk[c] + sk[c]) + v[c] * dv[c];
+          for (int64_t u = u0; u < u1; ++u) {  // per key: its sums and its dw over the block
+            const int64_t ta = std::max(t0, u - hi), tz = std::min(t1 - 1, u + lo);
+            int64_t nr = 0;
+            for (int64_t t = ta; t <= tz; ++t) {
+              const int64_t i = t - t0;
+              if (!good[i]) continue;
+              rows[nr] = i;
+              av[nr++] = A[i * W + u - t + lo];
+            }
+            if (nr == 0 || !valid(u)) continue;
+            const T *ek = EK.data() + (u - u0) * RS, *ev = EV.data() + (u - u0) * RS;
+            std::fill_n(part.data(), nr * KL, T(0));
+            int64_t c = 0;
+            for (; c + KL <= cn; c += KL)
+              key_block<T, KL>(PD.data() + c, PE.data() + c, RS, rows.data(), av.data(), nr,
+                               ek + c, ev + c, accd.data() + c, acce.data() + c, part.data());
+            for (; c < cn; ++c)
+              key_block<T, 1>(PD.data() + c, PE.data() + c, RS, rows.data(), av.data(), nr,
+                              ek + c, ev + c, accd.data() + c, acce.data() + c, part.data(), KL);
+            T *dv = DV + vx(u), *dk = DK + kx(u);
+            #pragma omp simd
+            for (int64_t cc = 0; cc < cn; ++cc) {
+              dv[cc] += ek[cc] * accd[cc];
+              dk[cc] -= ek[cc] * acce[cc];
+            }
+            for (int64_t r = 0; r < nr; ++r) {  // dw_{t,u} = A (PD_t . e_u v_u - PE_t . e_u)
+              T sum = 0;
+              for (int l = 0; l < KL; ++l) sum += part[r * KL + l];
+              const int64_t t = t0 + rows[r];
+              dwp[((geo.Tb == 1 ? 0 : t) * geo.G + tk.g) * W + u - t + lo] +=
+                  static_cast<double>(av[r] * sum);
+            }
           }
-        };
-        for (int64_t t = -hi; t < Tn + lo; ++t) {
-          if (geo.causal && t < Tn && valid(t)) {  // key t enters
-            raise_shift(K + kx(t), bsh.data(), nk, t, lo, valid, put, [](int64_t, double) {});
-            enter(t);
-          } else if (!geo.causal && t + hi < Tn && valid(t + hi)) {
-            enter(t + hi);
-          }
-          if (t >= 0 && t < Tn) query(t);
-          if (t - lo >= 0 && t - lo < Tn && valid(t - lo)) finish(t - lo);
+          finish(std::max<int64_t>(0, std::min(Tn, t1 - lo)));
         }
+        finish(Tn);
       };
       // reverse pass over keys; the ring holds queries t' - hi .. t' + lo (slot t mod R)
       reset();
