@@ -25,7 +25,7 @@ timeout 150 "$PY" -m pytest -q -p no:cacheprovider -k triton \
     tests/kernels/test_triton.py tests/ops/test_aft_simple.py tests/ops/test_aft_decay.py \
     2>&1 | tee "$OUT/triton-tests.txt"
 tests=${PIPESTATUS[0]}
-timeout 300 "$PY" -m aftlab.bench \
+timeout 280 "$PY" -m aftlab.bench \
   --mixers aft-simple,aft-decay,aft-local,aft-conv,attention,aft-full,attention-naive \
   --lengths 256,1024,2048,4096,8192,16384 \
   --decode-positions 128,1024,4096,16384 \
@@ -39,7 +39,7 @@ bench=${PIPESTATUS[0]}
 train=0
 for T in 4096 16384; do
   steps=$([ "$T" = 4096 ] && echo 12 || echo 4)
-  timeout 45 "$PY" -m aftlab compare --task text \
+  timeout 60 "$PY" -m aftlab compare --task text \
     --mixers attention,aft-local,aft-local:relative_bias=true --steps "$steps" \
     --set seq_len="$T" --set batch_size=1 --set model.d_model=256 --set model.n_layers=4 \
     --set warmup=1 --set eval_interval=1000 --set eval_batches=1 --set test_batches=1 \
