@@ -12,7 +12,6 @@ calls of warm-up first. A measurement for docs/benchmarks.md, not a test.
 """
 
 import argparse
-import ctypes
 import multiprocessing as mp
 import resource
 import time
@@ -22,15 +21,13 @@ import torch
 
 from aftlab.bench import BenchConfig, Shape
 from aftlab.bench.cases import Spec
-from aftlab.bench.measure import _setup
+from aftlab.bench.measure import _setup, fresh_pages
 
 
-def measure(a: argparse.Namespace, fresh_pages: bool) -> str:
+def measure(a: argparse.Namespace, fresh: bool) -> str:
     """Median ms and faults per call of the case, in this process."""
-    if fresh_pages:  # as aftlab.bench.measure._child
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 128 * 1024)
-        libc.mallopt(-1, 128 * 1024)
+    if fresh:  # as the bench's case processes
+        fresh_pages()
     torch.set_num_threads(a.threads)
     cfg = BenchConfig(threads=a.threads, device="cpu", dtype="float32")
     spec = Spec(a.mixer, a.mode, True, Shape(a.batch, a.T, a.dim, a.heads), cfg)
@@ -43,7 +40,7 @@ def measure(a: argparse.Namespace, fresh_pages: bool) -> str:
         fn()
         times.append(time.perf_counter() - t0)
     faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / a.repeats
-    name = "bench's fresh pages" if fresh_pages else "glibc default"
+    name = "bench's fresh pages" if fresh else "glibc default"
     return f"{name:20s} median {median(times) * 1e3:8.2f} ms, {faults:9,.0f} minor faults a call"
 
 

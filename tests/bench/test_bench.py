@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import importlib
 import json
 import math
 import subprocess
@@ -15,7 +14,7 @@ import pytest
 import torch
 
 from aftlab.bench import OPS, BenchConfig, Shape, cases, run_bench
-from aftlab.bench.cases import PEERS, WKV, Scan, Spec, peer_module
+from aftlab.bench.cases import OP_PEERS, PEERS, WKV, Scan, Spec, peer_module
 from aftlab.bench.measure import check, execute, tensor_bytes
 from aftlab.bench.report import CSV_FIELDS, TARGETS, ratios, target_table, targets
 from aftlab.cli import main as aftlab_main
@@ -366,7 +365,7 @@ def test_peer_gate_refuses_a_wrong_peer_and_a_missing_one_is_a_note(tmp_path, mo
     def wkv(s, impl):  # theirs wrong (and no transformers needed), ours right
         return _WrongWKV(s, "aftlab") if impl == "hf-rwkv" else WKV(s, impl)
 
-    monkeypatch.setattr(importlib.import_module("aftlab.bench.cases"), "WKV", wkv)
+    monkeypatch.setitem(OP_PEERS, "hf-rwkv", {"aft-decay": wkv})
     monkeypatch.setitem(PEERS, "hf-rwkv", ("torch", "torch", PEERS["hf-rwkv"][2]))
     rows = _peer_run(tmp_path)["compare"]
     theirs = [r for r in rows if r["impl"] == "hf-rwkv"]

@@ -320,14 +320,18 @@ PEERS: dict[str, tuple[str, str, dict[str, str]]] = {
         {"aft-decay": "fused_recurrent_rwkv4", "aft-simple": "fused_recurrent_hgrn"},
     ),
 }  # fmt: skip
+#: The peers compared op to op, and the module of each of our ops there (the others: mixers).
+OP_PEERS: dict[str, dict[str, type[torch.nn.Module]]] = {
+    "hf-rwkv": {"aft-decay": WKV},
+    "fla": {"aft-decay": WKV, "aft-simple": Scan},
+}
 
 
 def peer_module(peer: str, impl: str, variant: str, s: Shape) -> torch.nn.Module:
     """Module ``variant`` of ``impl`` (``"aftlab"`` or the peer) in the pairs of ``peer``."""
-    if peer == "hf-rwkv" or (peer == "fla" and variant in ("aft-decay", "fused_recurrent_rwkv4")):
-        return WKV(s, impl)
-    if peer == "fla":
-        return Scan(s, impl)
+    if peer in OP_PEERS:  # op-level pairs: the module of our op, ours or theirs
+        ours = {t: o for o, t in PEERS[peer][2].items()}.get(variant, variant)
+        return OP_PEERS[peer][ours](s, impl)
     if impl == "aftlab":
         return build_mixer(variant, d_model=s.d, n_heads=1, causal=False, max_seq_len=s.T)
     return getattr(import_module("aft_pytorch"), variant)(max_seqlen=s.T, dim=s.d, hidden_dim=s.d)

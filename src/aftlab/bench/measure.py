@@ -232,13 +232,21 @@ def run_case(spec: Spec, op: Op | None = None, where: str = "in-process") -> dic
     }
 
 
-def _child(spec: Spec, conn) -> None:
-    try:  # glibc: blocks over 128 KiB by mmap, trimmed on free (M_MMAP_THRESHOLD, M_TRIM_...)
+def fresh_pages() -> None:
+    """This process's allocator (glibc) maps every block over 128 KiB afresh and returns it on
+    free (``M_MMAP_THRESHOLD``, ``M_TRIM_THRESHOLD``), so that its resident memory follows the
+    live tensors; a no-op elsewhere. Each new tensor's pages are then faulted in on first use
+    (``benchmarks/alloc_faults.py`` measures what that costs)."""
+    try:
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(-3, 128 * 1024)
         libc.mallopt(-1, 128 * 1024)
     except (OSError, AttributeError):
         pass
+
+
+def _child(spec: Spec, conn) -> None:
+    fresh_pages()
     try:
         conn.send(run_case(spec, where="fresh process"))
     finally:
