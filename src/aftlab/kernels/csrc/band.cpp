@@ -49,7 +49,7 @@
 // E_t / den_t (exp(k_t' - M_t) <= 1 for every query that sees t'). One reverse pass over keys
 // keeps the band's queries (dO, E, M, 1/den) in a ring of W rows; non-causal, a forward pass
 // first writes the query-prefix part into dk, dv. Per-channel keys (aft-local) leave the band to
-// a last pass forward over queries by blocks of BQ (band_keys): P = A e_u p_t with one shift b
+// a last pass forward over queries by blocks of BQ (Blocks): P = A e_u p_t with one shift b
 // per block, the transposed products per key in registers (key_block; docs/kernels.md, "The
 // band by blocks"); a query with a live channel outside that range takes the exact P. dw is
 // accumulated per task into its own float64 buffer and the buffers are summed in task order:
@@ -60,6 +60,11 @@
 // outputs before p are then bit for bit independent of the inputs at p (NaN, inf included).
 // The backward is not value-scaled: finite wherever its sums (e.g. sum_t P |g y|) stay below
 // the largest float.
+//
+// Code: each task runs a Forward (suffix_pass, then per query advance, gather, and group_row,
+// fact_row or exact_row) or a Backward (prefix_queries, keys, then with a key per channel
+// Blocks: window, query, exact_pairs, key per block), a struct of the task's buffers with a
+// function per step; make_geo checks the problem once.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -186,10 +191,14 @@ inline void fold(const T* k, const T* v, T sc, int64_t nk, int64_t cn, double* m
 }
 
 // vm = max(vm, |v| sc) per channel: the bound of the clamp (a NaN v leaves vm; its output is NaN).
+// std::max's by value: the reference it returns kept GCC from vectorising the loop.
 template <typename T>
 inline void vmax(T* vm, const T* v, T sc, int64_t cn) {
   #pragma omp simd
-  for (int64_t c = 0; c < cn; ++c) vm[c] = std::max(vm[c], std::abs(v[c] * sc));
+  for (int64_t c = 0; c < cn; ++c) {
+    const T x = std::abs(v[c] * sc);
+    vm[c] = vm[c] < x ? x : vm[c];
+  }
 }
 
 // Key t (keys k, one per key channel) raises the shift b of the channels it exceeds: the ring
@@ -357,609 +366,758 @@ inline void key_block<float, 16>(const float* PD, const float* PE, int64_t RS,
 #endif
 
 // ------------------------------------------------------------------ forward
+// The forward's pointers: inputs, y, and the statistics M (float64) and 1/den, saved for the
+// backward or (non-causal) the suffix state's scratch; null where neither.
+template <typename T>
+struct FwdArgs {
+  const T *Q, *K, *V;
+  const double* Wb;
+  const bool* Mk;
+  T* Y;
+  double* MX;
+  T* IV;
+  bool save;
+};
+
+// One task's forward (batch b, group g, channels [c0, c0 + cn)): suffix_pass (non-causal), then
+// one pass over queries: advance (prefix and ring), gather (the band keys), and the row by
+// group_row (one key per group), fact_row (the factorised path) or exact_row.
 template <typename T, bool BC>
-void band_fwd(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V,
-              const double* __restrict__ Wb, const bool* __restrict__ Mk, T* __restrict__ Y,
-              double* __restrict__ MX, T* __restrict__ IV, bool save, const Geo& geo) {
-  const int64_t Tn = geo.T, lo = geo.lo, hi = geo.hi;
-  const T sc = value_scale<T>(Tn), unsc = T(1) / sc;
-  at::parallel_for(0, geo.tasks(), 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const Task tk = task_of<BC>(geo, i);
-      const int64_t nk = tk.nk, cn = tk.cn;
-      std::vector<double> m(nk), M(nk);
-      std::vector<T> s(nk), a(nk), w(nk), den(nk), n(cn), num(cn), vm(cn, T(0));
-      auto kx = [&](int64_t t) { return (tk.b * Tn + t) * geo.DK + tk.k0; };
-      auto vx = [&](int64_t t) { return (tk.b * Tn + t) * geo.D + tk.c0; };
-      auto valid = [&](int64_t t) { return Mk == nullptr || Mk[tk.b * Tn + t]; };
-      // factorised path (per-channel keys): shift b per channel (causal: the largest valid key
-      // t' <= t; non-causal: of all keys) and a ring of the band keys' exp(k - b), exp(k - b) v sc
-      const int64_t R = std::max<int64_t>(1, std::min(geo.W, Tn));
-      std::vector<double> bsh(BC ? 0 : nk, NEG_INF);
-      // (row stride RS: one cache line more than a row, so the rows of a channel block fall in
-      // different sets of L1 rather than in the same few)
-      const int64_t RS = nk + 64 / static_cast<int64_t>(sizeof(T));
-      std::vector<T> ek(BC ? 0 : R * RS), ekv(BC ? 0 : R * RS);
-      // ... and the prefix keys' sums of exp(k - b), exp(k - b) v sc in the same shift: a key
-      // leaving the band adds its ring row (no exponential), a rising b rescales them
-      std::vector<T> sf(BC ? 0 : nk, T(0)), nf(BC ? 0 : cn, T(0));
-      auto rise = [&](int64_t c, double b) {
-        const T f = exp_fine<T>(bsh[c] - b);  // b > bsh[c]; 0 from -inf
-        sf[c] *= f;
-        nf[c] *= f;
-      };
-      bool shifts_ok = false;  // every |b| <= BIG (none is -inf, NaN), redone when b changes
-      auto check_shifts = [&] {
-        int bad = 0;
-        #pragma omp simd reduction(+ : bad)
-        for (int64_t c = 0; c < nk; ++c) bad += !(std::abs(bsh[c]) <= BIG);
-        shifts_ok = bad == 0;
-      };
-      auto put = [&](int64_t u, int64_t c0, int64_t c1) {  // ring row of key u, channels [c0, c1)
-        const T *k = K + kx(u), *v = V + vx(u);
-        T *er = ek.data() + (u % R) * RS, *evr = ekv.data() + (u % R) * RS;
-        #pragma omp simd
-        for (int64_t c = c0; c < c1; ++c) {
-          er[c] = exp_fine<T>(static_cast<double>(k[c]) - bsh[c]);
-          evr[c] = er[c] * (v[c] * sc);
-        }
-      };
-      auto reset = [&] {
-        std::fill(m.begin(), m.end(), NEG_INF);
-        std::fill(s.begin(), s.end(), T(0));
-        std::fill(n.begin(), n.end(), T(0));
-      };
-      if (!geo.causal) {  // suffix state of the keys t' > t + hi, kept at t in (MX, IV, Y)
-        reset();
-        for (int64_t t = Tn - 1; t >= 0; --t) {
-          const int64_t tn = t + hi + 1;
-          if (tn < Tn && valid(tn))
-            fold<T, BC>(K + kx(tn), V + vx(tn), sc, nk, cn, m.data(), s.data(), n.data(),
-                        a.data(), w.data());
-          if (valid(t)) {
-            vmax(vm.data(), V + vx(t), sc, cn);  // every query sees every key
-            if constexpr (!BC) {
-              const T* k = K + kx(t);
-              for (int64_t c = 0; c < nk; ++c) bsh[c] = k[c] > bsh[c] ? k[c] : bsh[c];
-            }
-          }
-          std::copy(m.begin(), m.end(), MX + kx(t));
-          std::copy(s.begin(), s.end(), IV + kx(t));
-          std::copy(n.begin(), n.end(), Y + vx(t));
+struct Forward {
+  const FwdArgs<T>& io;
+  const Geo& geo;
+  const Task tk;
+  const int64_t Tn, lo, hi, nk, cn, R, RS;
+  const T sc, unsc;
+  // the exact stable state (m, s, n) of the prefix (or, in suffix_pass, the suffix); scratch
+  std::vector<double> m, M;
+  std::vector<T> s, a, w, den, n, num, vm;
+  // factorised path (per-channel keys): shift b per channel (causal: the largest valid key
+  // t' <= t; non-causal: of all keys), a ring of the band keys' exp(k - b), exp(k - b) v sc
+  // (row stride RS: one cache line more than a row, so the rows of a channel block fall in
+  // different sets of L1 rather than in the same few), and the prefix keys' sums of the same in
+  // the shift b: a key leaving the band adds its ring row (no exponential), a rising b rescales
+  std::vector<double> bsh;
+  std::vector<T> ek, ekv, sf, nf;
+  bool shifts_ok = false;  // every |b| <= BIG (none is -inf, NaN), redone when b changes
+  int64_t folded = 0;      // the exact prefix state holds the keys before this one
+  // the valid band keys of the current query, their ring slots, biases, exponents k + w (BC)
+  std::vector<int64_t> rows, slots;
+  std::vector<double> wv, z;
+  std::vector<T> e;
+  int64_t nr = 0;
+
+  Forward(const FwdArgs<T>& io_, const Geo& g, int64_t i)
+      : io(io_), geo(g), tk(task_of<BC>(g, i)), Tn(g.T), lo(g.lo), hi(g.hi), nk(tk.nk),
+        cn(tk.cn), R(std::max<int64_t>(1, std::min(g.W, g.T))),
+        RS(tk.nk + 64 / static_cast<int64_t>(sizeof(T))), sc(value_scale<T>(g.T)),
+        unsc(T(1) / sc), m(nk), M(nk), s(nk), a(nk), w(nk), den(nk), n(cn), num(cn),
+        vm(cn, T(0)), bsh(BC ? 0 : nk, NEG_INF), ek(BC ? 0 : R * RS), ekv(BC ? 0 : R * RS),
+        sf(BC ? 0 : nk, T(0)), nf(BC ? 0 : cn, T(0)), rows(R), slots(R), wv(R), z(R), e(R) {}
+
+  int64_t kx(int64_t t) const { return (tk.b * Tn + t) * geo.DK + tk.k0; }
+  int64_t vx(int64_t t) const { return (tk.b * Tn + t) * geo.D + tk.c0; }
+  bool valid(int64_t t) const { return io.Mk == nullptr || io.Mk[tk.b * Tn + t]; }
+
+  void reset() {
+    std::fill(m.begin(), m.end(), NEG_INF);
+    std::fill(s.begin(), s.end(), T(0));
+    std::fill(n.begin(), n.end(), T(0));
+  }
+  void fold_key(int64_t u) {
+    fold<T, BC>(io.K + kx(u), io.V + vx(u), sc, nk, cn, m.data(), s.data(), n.data(), a.data(),
+                w.data());
+  }
+
+  // Non-causal: the suffix state of the keys t' > t + hi, kept at t in (MX, IV, Y) until the
+  // forward pass reads it; vm and b over all keys (every query sees every key).
+  void suffix_pass() {
+    reset();
+    for (int64_t t = Tn - 1; t >= 0; --t) {
+      const int64_t tn = t + hi + 1;
+      if (tn < Tn && valid(tn)) fold_key(tn);
+      if (valid(t)) {
+        vmax(vm.data(), io.V + vx(t), sc, cn);
+        if constexpr (!BC) {
+          const T* k = io.K + kx(t);
+          for (int64_t c = 0; c < nk; ++c) bsh[c] = k[c] > bsh[c] ? k[c] : bsh[c];
         }
       }
-      reset();
-      // per-channel keys fold the exact prefix state (m, s, n) lazily: only an exact row needs
-      // it, and it is brought up to that row's prefix then (amortised O(T) for the task)
-      int64_t folded = 0;
-      auto exact_prefix = [&](int64_t t) {
-        for (; folded < t - lo; ++folded)
-          if (valid(folded))
-            fold<T, BC>(K + kx(folded), V + vx(folded), sc, nk, cn, m.data(), s.data(),
-                        n.data(), a.data(), w.data());
-      };
-      const int64_t nb = std::max<int64_t>(1, std::min(geo.W, Tn));  // most band rows
-      std::vector<int64_t> rows(nb), slots(nb);  // the valid band keys of query t ...
-      std::vector<double> wv(nb), z(nb);  // ... their biases, exponents k + w (BC)
-      std::vector<T> e(nb);
-      // One query row on the factorised path; false (nothing written) where a channel's den is
-      // below FLOOR, its shift is not finite or beyond BIG (NaN included): the exact path runs.
-      // exp(k + w - a - b) = exp(w - a) exp(k - b), a = max(0, visible band biases):
-      //   den = exp(-a) (sf + s_suf exp(m_suf - b)) + sum_r exp(w_r - a) ek_r
-      // (num alike with n, ekv); saved M = a + b + e ln2, 1/den' = 1/f with den = f 2^e.
-      auto fact_row = [&](int64_t nr, const double* ms, const T* ss, const T* ns, const T* q,
-                          T* y, double* Mo, T* Io) -> bool {
-        double a0 = 0.0;
-        for (int64_t r = 0; r < nr; ++r) a0 = wv[r] > a0 ? wv[r] : a0;
-        if (!(a0 <= BIG) || !shifts_ok) return false;
-        const T e0 = exp_fine<T>(-a0);
-        for (int64_t r = 0; r < nr; ++r) {
-          e[r] = exp_fine<T>(wv[r] - a0);
-          slots[r] = rows[r] % R;
-        }
-        #pragma omp simd
-        for (int64_t c = 0; c < cn; ++c) {
-          den[c] = e0 * sf[c];
-          num[c] = e0 * nf[c];
-        }
-        if (ms) {
-          #pragma omp simd
-          for (int64_t c = 0; c < cn; ++c) {
-            const T p = exp_fine<T>(ms[c] - bsh[c]);
-            den[c] += e0 * (ss[c] * p);
-            num[c] += e0 * (ns[c] * p);
-          }
-        }
-        int64_t c = 0;
-        for (; c + 32 <= cn; c += 32)
-          band_sums<T, 32>(ek.data() + c, RS, ekv.data() + c, RS, slots.data(), e.data(), nr,
-                           den.data() + c, num.data() + c);
-        for (; c + VL <= cn; c += VL)
-          band_sums<T, VL>(ek.data() + c, RS, ekv.data() + c, RS, slots.data(), e.data(), nr,
-                           den.data() + c, num.data() + c);
-        for (; c < cn; ++c)
-          band_sums<T, 1>(ek.data() + c, RS, ekv.data() + c, RS, slots.data(), e.data(), nr,
-                          den.data() + c, num.data() + c);
-        int bad = 0;
-        #pragma omp simd reduction(+ : bad)
-        for (int64_t c = 0; c < cn; ++c)
-          bad += !(den[c] >= FLOOR<T>);
-        if (bad) return false;
-        #pragma omp simd
-        for (int64_t c = 0; c < cn; ++c) y[c] = output(q[c], num[c] / den[c], vm[c], unsc);
-        if (Mo) {
-          #pragma omp simd
-          for (int64_t c = 0; c < cn; ++c) {
-            T f;
-            const int ex = split2(den[c], f);
-            Mo[c] = (a0 + bsh[c]) + ex * 0.6931471805599453;
-            Io[c] = T(1) / f;
-          }
-        }
-        return true;
-      };
-      if (!BC && !geo.causal) {
-        check_shifts();
-        for (int64_t u = 0; u < std::min(hi, Tn); ++u)
-          if (valid(u)) put(u, 0, nk);
-      }
-      for (int64_t t = 0; t < Tn; ++t) {
-        const int64_t tp = t - lo - 1;  // leaves the band, enters the prefix
-        if (BC && tp >= 0 && valid(tp))
-          fold<T, BC>(K + kx(tp), V + vx(tp), sc, nk, cn, m.data(), s.data(), n.data(), a.data(),
-                      w.data());
-        if (!BC && tp >= 0 && valid(tp)) {  // its ring row, in the current shift
-          const T *er = ek.data() + (tp % R) * RS, *evr = ekv.data() + (tp % R) * RS;
-          #pragma omp simd
-          for (int64_t c = 0; c < cn; ++c) {
-            sf[c] += er[c];
-            nf[c] += evr[c];
-          }
-        }
-        if (geo.causal && valid(t)) vmax(vm.data(), V + vx(t), sc, cn);  // the keys t' <= t
-        if (!BC && geo.causal && valid(t)) {
-          if (raise_shift(K + kx(t), bsh.data(), nk, t, lo, valid, put, rise)) check_shifts();
-          put(t, 0, nk);
-        } else if (!BC && !geo.causal && t + hi < Tn && valid(t + hi)) {
-          put(t + hi, 0, nk);
-        }
-        const double* wr = Wb + ((geo.Tb == 1 ? 0 : t) * geo.G + tk.g) * geo.W;
-        int64_t nr = 0;
-        for (int64_t u = std::max<int64_t>(0, t - lo); u <= std::min(Tn - 1, t + hi); ++u) {
-          if (!valid(u)) continue;
-          rows[nr] = u;
-          wv[nr++] = wr[u - t + lo];
-        }
-        const double* ms = geo.causal ? nullptr : MX + kx(t);  // suffix state (non-causal)
-        const T *ss = geo.causal ? nullptr : IV + kx(t), *ns = geo.causal ? nullptr : Y + vx(t);
-        double* Mo = save ? MX + kx(t) : nullptr;
-        T* Io = save ? IV + kx(t) : nullptr;
-        const T* q = Q + vx(t);
-        T* y = Y + vx(t);
-        const T* K0 = K + kx(0);
-        const T* V0 = V + vx(0);
-        if constexpr (BC) {
-          // one key per group: the exponents, shift and weights once per row, then the values
-          double Mg = m[0];
-          if (ms) Mg = std::max(Mg, ms[0]);
-          for (int64_t r = 0; r < nr; ++r) {
-            z[r] = static_cast<double>(K0[rows[r] * geo.DK]) + wv[r];
-            Mg = z[r] > Mg ? z[r] : Mg;
-          }
-          if (Mg == NEG_INF) Mg = 0.0;  // no key at all
-          const T ap = expd<T>(m[0] - Mg), as = ms ? expd<T>(ms[0] - Mg) : T(0);
-          T dg = s[0] * ap + (ms ? ss[0] * as : T(0));
-          for (int64_t r = 0; r < nr; ++r) {
-            e[r] = expd<T>(z[r] - Mg);
-            dg += e[r];
-          }
-          const T inv = dg == T(0) ? T(0) : T(1) / dg;
-          int64_t c = 0;
-          for (; c + VL <= cn; c += VL)
-            values_block<T, VL>(V0 + c, geo.D, rows.data(), e.data(), nr, n.data() + c, ap,
-                                ns ? ns + c : nullptr, as, inv, sc, vm.data() + c, q + c, y + c);
-          for (; c < cn; ++c)
-            values_block<T, 1>(V0 + c, geo.D, rows.data(), e.data(), nr, n.data() + c, ap,
-                               ns ? ns + c : nullptr, as, inv, sc, vm.data() + c, q + c, y + c);
-          if (save) {
-            Mo[0] = Mg;
-            Io[0] = inv;
-          }
-        } else if (!fact_row(nr, ms, ss, ns, q, y, Mo, Io)) {
-          exact_prefix(t);
-          std::copy(m.begin(), m.end(), M.begin());
-          if (ms)
-            for (int64_t c = 0; c < cn; ++c) M[c] = ms[c] > M[c] ? ms[c] : M[c];
-          for (int64_t r = 0; r < nr; ++r) {
-            const T* kr = K0 + rows[r] * geo.DK;
-            const double wr_ = wv[r];
-            #pragma omp simd
-            for (int64_t c = 0; c < cn; ++c) {
-              const double zz = static_cast<double>(kr[c]) + wr_;
-              M[c] = zz > M[c] ? zz : M[c];
-            }
-          }
-          #pragma omp simd
-          for (int64_t c = 0; c < cn; ++c) {
-            M[c] = M[c] == NEG_INF ? 0.0 : M[c];  // no key at all
-            a[c] = expd<T>(m[c] - M[c]);
-            den[c] = s[c] * a[c];
-            num[c] = n[c] * a[c];
-          }
-          if (ms) {
-            #pragma omp simd
-            for (int64_t c = 0; c < cn; ++c) {
-              a[c] = expd<T>(ms[c] - M[c]);
-              den[c] += ss[c] * a[c];
-              num[c] += ns[c] * a[c];
-            }
-          }
-          for (int64_t r = 0; r < nr; ++r) {
-            const T *kr = K0 + rows[r] * geo.DK, *vr = V0 + rows[r] * geo.D;
-            const double wr_ = wv[r];
-            #pragma omp simd
-            for (int64_t c = 0; c < cn; ++c) {
-              const T ee = expd<T>(static_cast<double>(kr[c]) + wr_ - M[c]);
-              den[c] += ee;
-              num[c] += ee * (vr[c] * sc);
-            }
-          }
-          #pragma omp simd
-          for (int64_t c = 0; c < cn; ++c) {
-            const T inv = den[c] == T(0) ? T(0) : T(1) / den[c];  // 0: no key; NaN stays NaN
-            y[c] = output(q[c], num[c] * inv, vm[c], unsc);
-            w[c] = inv;
-          }
-          if (save) {
-            std::copy(M.begin(), M.end(), Mo);
-            std::copy(w.begin(), w.end(), Io);
-          }
-        }
+      std::copy(m.begin(), m.end(), io.MX + kx(t));
+      std::copy(s.begin(), s.end(), io.IV + kx(t));
+      std::copy(n.begin(), n.end(), io.Y + vx(t));
+    }
+  }
+
+  void check_shifts() {
+    int bad = 0;
+    #pragma omp simd reduction(+ : bad)
+    for (int64_t c = 0; c < nk; ++c) bad += !(std::abs(bsh[c]) <= BIG);
+    shifts_ok = bad == 0;
+  }
+  void rise(int64_t c, double b) {  // b > bsh[c]: the prefix sums into the new shift
+    const T f = exp_fine<T>(bsh[c] - b);  // 0 from -inf
+    sf[c] *= f;
+    nf[c] *= f;
+  }
+  void put(int64_t u, int64_t c0, int64_t c1) {  // ring row of key u, channels [c0, c1)
+    const T *k = io.K + kx(u), *v = io.V + vx(u);
+    T *er = ek.data() + (u % R) * RS, *evr = ekv.data() + (u % R) * RS;
+    #pragma omp simd
+    for (int64_t c = c0; c < c1; ++c) {
+      er[c] = exp_fine<T>(static_cast<double>(k[c]) - bsh[c]);
+      evr[c] = er[c] * (v[c] * sc);
+    }
+  }
+  // Per-channel keys fold the exact prefix state lazily: only an exact row needs it, and it is
+  // brought up to that row's prefix then (amortised O(T) for the task).
+  void exact_prefix(int64_t t) {
+    for (; folded < t - lo; ++folded)
+      if (valid(folded)) fold_key(folded);
+  }
+
+  // Before query t: key t - lo - 1 leaves the band for the prefix (one key per group: into the
+  // exact state; per channel: its ring row into the prefix sums), vm takes key t (causal), and
+  // the ring takes the band's new key (causal: t, raising b where t exceeds it; else t + hi).
+  void advance(int64_t t) {
+    const int64_t tp = t - lo - 1;
+    if (BC && tp >= 0 && valid(tp)) fold_key(tp);
+    if (!BC && tp >= 0 && valid(tp)) {  // its ring row, in the current shift
+      const T *er = ek.data() + (tp % R) * RS, *evr = ekv.data() + (tp % R) * RS;
+      #pragma omp simd
+      for (int64_t c = 0; c < cn; ++c) {
+        sf[c] += er[c];
+        nf[c] += evr[c];
       }
     }
+    if (geo.causal && valid(t)) vmax(vm.data(), io.V + vx(t), sc, cn);  // the keys t' <= t
+    if (!BC && geo.causal && valid(t)) {
+      const bool rose = raise_shift(
+          io.K + kx(t), bsh.data(), nk, t, lo, [&](int64_t u) { return valid(u); },
+          [&](int64_t u, int64_t c0, int64_t c1) { put(u, c0, c1); },
+          [&](int64_t c, double b) { rise(c, b); });
+      if (rose) check_shifts();
+      put(t, 0, nk);
+    } else if (!BC && !geo.causal && t + hi < Tn && valid(t + hi)) {
+      put(t + hi, 0, nk);
+    }
+  }
+
+  // The valid band keys of query t (rows) and their biases (wv).
+  void gather(int64_t t) {
+    const double* wr = io.Wb + ((geo.Tb == 1 ? 0 : t) * geo.G + tk.g) * geo.W;
+    nr = 0;
+    for (int64_t u = std::max<int64_t>(0, t - lo); u <= std::min(Tn - 1, t + hi); ++u) {
+      if (!valid(u)) continue;
+      rows[nr] = u;
+      wv[nr++] = wr[u - t + lo];
+    }
+  }
+
+  // Query t's pointers: the suffix state (non-causal), the statistics to save, q and y.
+  struct Row {
+    const double* ms;
+    const T *ss, *ns;
+    double* Mo;
+    T* Io;
+    const T* q;
+    T* y;
+  };
+  Row row(int64_t t) const {
+    const bool nc = !geo.causal;
+    return {nc ? io.MX + kx(t) : nullptr, nc ? io.IV + kx(t) : nullptr,
+            nc ? io.Y + vx(t) : nullptr,  io.save ? io.MX + kx(t) : nullptr,
+            io.save ? io.IV + kx(t) : nullptr, io.Q + vx(t), io.Y + vx(t)};
+  }
+
+  // One key per group: the exponents, shift and weights once per row, then the values.
+  void group_row(const Row& r) {
+    const T* K0 = io.K + kx(0);
+    double Mg = m[0];
+    if (r.ms) Mg = std::max(Mg, r.ms[0]);
+    for (int64_t j = 0; j < nr; ++j) {
+      z[j] = static_cast<double>(K0[rows[j] * geo.DK]) + wv[j];
+      Mg = z[j] > Mg ? z[j] : Mg;
+    }
+    if (Mg == NEG_INF) Mg = 0.0;  // no key at all
+    const T ap = expd<T>(m[0] - Mg), as = r.ms ? expd<T>(r.ms[0] - Mg) : T(0);
+    T dg = s[0] * ap + (r.ms ? r.ss[0] * as : T(0));
+    for (int64_t j = 0; j < nr; ++j) {
+      e[j] = expd<T>(z[j] - Mg);
+      dg += e[j];
+    }
+    const T inv = dg == T(0) ? T(0) : T(1) / dg;
+    const T* V0 = io.V + vx(0);
+    int64_t c = 0;
+    for (; c + VL <= cn; c += VL)
+      values_block<T, VL>(V0 + c, geo.D, rows.data(), e.data(), nr, n.data() + c, ap,
+                          r.ns ? r.ns + c : nullptr, as, inv, sc, vm.data() + c, r.q + c,
+                          r.y + c);
+    for (; c < cn; ++c)
+      values_block<T, 1>(V0 + c, geo.D, rows.data(), e.data(), nr, n.data() + c, ap,
+                         r.ns ? r.ns + c : nullptr, as, inv, sc, vm.data() + c, r.q + c,
+                         r.y + c);
+    if (r.Mo) {
+      r.Mo[0] = Mg;
+      r.Io[0] = inv;
+    }
+  }
+
+  // One query row on the factorised path; false (nothing written) where a channel's den is
+  // below FLOOR, its shift is not finite or beyond BIG (NaN included): the exact path runs.
+  // exp(k + w - a - b) = exp(w - a) exp(k - b), a = max(0, visible band biases):
+  //   den = exp(-a) (sf + s_suf exp(m_suf - b)) + sum_r exp(w_r - a) ek_r
+  // (num alike with n, ekv); saved M = a + b + e ln2, 1/den' = 1/f with den = f 2^e.
+  bool fact_row(const Row& r) {
+    double a0 = 0.0;
+    for (int64_t j = 0; j < nr; ++j) a0 = wv[j] > a0 ? wv[j] : a0;
+    if (!(a0 <= BIG) || !shifts_ok) return false;
+    const T e0 = exp_fine<T>(-a0);
+    for (int64_t j = 0; j < nr; ++j) {
+      e[j] = exp_fine<T>(wv[j] - a0);
+      slots[j] = rows[j] % R;
+    }
+    #pragma omp simd
+    for (int64_t c = 0; c < cn; ++c) {
+      den[c] = e0 * sf[c];
+      num[c] = e0 * nf[c];
+    }
+    if (r.ms) {
+      #pragma omp simd
+      for (int64_t c = 0; c < cn; ++c) {
+        const T p = exp_fine<T>(r.ms[c] - bsh[c]);
+        den[c] += e0 * (r.ss[c] * p);
+        num[c] += e0 * (r.ns[c] * p);
+      }
+    }
+    int64_t c = 0;
+    for (; c + 32 <= cn; c += 32)
+      band_sums<T, 32>(ek.data() + c, RS, ekv.data() + c, RS, slots.data(), e.data(), nr,
+                       den.data() + c, num.data() + c);
+    for (; c + VL <= cn; c += VL)
+      band_sums<T, VL>(ek.data() + c, RS, ekv.data() + c, RS, slots.data(), e.data(), nr,
+                       den.data() + c, num.data() + c);
+    for (; c < cn; ++c)
+      band_sums<T, 1>(ek.data() + c, RS, ekv.data() + c, RS, slots.data(), e.data(), nr,
+                      den.data() + c, num.data() + c);
+    int bad = 0;
+    #pragma omp simd reduction(+ : bad)
+    for (int64_t c = 0; c < cn; ++c) bad += !(den[c] >= FLOOR<T>);
+    if (bad) return false;
+    #pragma omp simd
+    for (int64_t c = 0; c < cn; ++c) r.y[c] = output(r.q[c], num[c] / den[c], vm[c], unsc);
+    if (r.Mo) {
+      #pragma omp simd
+      for (int64_t c = 0; c < cn; ++c) {
+        T f;
+        const int ex = split2(den[c], f);
+        r.Mo[c] = (a0 + bsh[c]) + ex * 0.6931471805599453;
+        r.Io[c] = T(1) / f;
+      }
+    }
+    return true;
+  }
+
+  // The exact row: per channel the shift M = the largest visible exponent (prefix, suffix and
+  // band), every exponential of a non-positive number.
+  void exact_row(int64_t t, const Row& r) {
+    const T *K0 = io.K + kx(0), *V0 = io.V + vx(0);
+    exact_prefix(t);
+    std::copy(m.begin(), m.end(), M.begin());
+    if (r.ms)
+      for (int64_t c = 0; c < cn; ++c) M[c] = r.ms[c] > M[c] ? r.ms[c] : M[c];
+    for (int64_t j = 0; j < nr; ++j) {
+      const T* kr = K0 + rows[j] * geo.DK;
+      const double wj = wv[j];
+      #pragma omp simd
+      for (int64_t c = 0; c < cn; ++c) {
+        const double zz = static_cast<double>(kr[c]) + wj;
+        M[c] = zz > M[c] ? zz : M[c];
+      }
+    }
+    #pragma omp simd
+    for (int64_t c = 0; c < cn; ++c) {
+      M[c] = M[c] == NEG_INF ? 0.0 : M[c];  // no key at all
+      a[c] = expd<T>(m[c] - M[c]);
+      den[c] = s[c] * a[c];
+      num[c] = n[c] * a[c];
+    }
+    if (r.ms) {
+      #pragma omp simd
+      for (int64_t c = 0; c < cn; ++c) {
+        a[c] = expd<T>(r.ms[c] - M[c]);
+        den[c] += r.ss[c] * a[c];
+        num[c] += r.ns[c] * a[c];
+      }
+    }
+    for (int64_t j = 0; j < nr; ++j) {
+      const T *kr = K0 + rows[j] * geo.DK, *vr = V0 + rows[j] * geo.D;
+      const double wj = wv[j];
+      #pragma omp simd
+      for (int64_t c = 0; c < cn; ++c) {
+        const T ee = expd<T>(static_cast<double>(kr[c]) + wj - M[c]);
+        den[c] += ee;
+        num[c] += ee * (vr[c] * sc);
+      }
+    }
+    #pragma omp simd
+    for (int64_t c = 0; c < cn; ++c) {
+      const T inv = den[c] == T(0) ? T(0) : T(1) / den[c];  // 0: no key; NaN stays NaN
+      r.y[c] = output(r.q[c], num[c] * inv, vm[c], unsc);
+      w[c] = inv;
+    }
+    if (r.Mo) {
+      std::copy(M.begin(), M.end(), r.Mo);
+      std::copy(w.begin(), w.end(), r.Io);
+    }
+  }
+
+  void run() {
+    if (!geo.causal) suffix_pass();
+    reset();
+    if (!BC && !geo.causal) {
+      check_shifts();
+      for (int64_t u = 0; u < std::min(hi, Tn); ++u)
+        if (valid(u)) put(u, 0, nk);
+    }
+    for (int64_t t = 0; t < Tn; ++t) {
+      advance(t);
+      gather(t);
+      const Row r = row(t);
+      if constexpr (BC) {
+        group_row(r);
+      } else if (!fact_row(r)) {
+        exact_row(t, r);
+      }
+    }
+  }
+};
+
+template <typename T, bool BC>
+void band_fwd(const FwdArgs<T>& io, const Geo& geo) {
+  at::parallel_for(0, geo.tasks(), 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) Forward<T, BC>(io, geo, i).run();
   });
 }
 
 // ------------------------------------------------------------------ backward
+// The backward's pointers: upstream gradient, inputs, the forward's y and statistics, the
+// gradients, and the task's float64 dw buffers (one per task, summed by the caller).
+template <typename T>
+struct BwdArgs {
+  const T *GY, *Q, *K, *V;
+  const double* Wb;
+  const T* Y;
+  const double* MX;
+  const T* IV;
+  const bool* Mk;
+  T *DQ, *DK, *DV;
+  double* DWP;
+};
+
+// One task's backward: prefix_queries (non-causal), then keys (the reverse pass over keys with
+// the band's queries in a ring; with one key per group it does the band too), then, with a key
+// per channel, the band by blocks (Blocks).
 template <typename T, bool BC>
-void band_bwd(const T* __restrict__ GY, const T* __restrict__ Q, const T* __restrict__ K,
-              const T* __restrict__ V, const double* __restrict__ Wb, const T* __restrict__ Y,
-              const double* __restrict__ MX, const T* __restrict__ IV, const bool* __restrict__ Mk,
-              T* __restrict__ DQ, T* __restrict__ DK, T* __restrict__ DV,
-              double* __restrict__ DWP, const Geo& geo) {
-  const int64_t Tn = geo.T, lo = geo.lo, hi = geo.hi;
-  const int64_t R = std::max<int64_t>(1, std::min(geo.W, Tn));  // ring rows: band queries
-  at::parallel_for(0, geo.tasks(), 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const Task tk = task_of<BC>(geo, i);
-      const int64_t nk = tk.nk, cn = tk.cn;
-      double* dwp = DWP + tk.id * geo.Tb * geo.G * geo.W;
-      auto kx = [&](int64_t t) { return (tk.b * Tn + t) * geo.DK + tk.k0; };
-      auto vx = [&](int64_t t) { return (tk.b * Tn + t) * geo.D + tk.c0; };
-      auto valid = [&](int64_t t) { return Mk == nullptr || Mk[tk.b * Tn + t]; };
-      // query-side scan state: max of -M_t, sums of dO_t / den_t and E_t / den_t
-      std::vector<double> mq(nk);
-      std::vector<T> se(nk), a(nk), w(nk), f(nk), acck(nk), sdo(cn), accv(cn);
-      std::vector<T> rdo(R * cn), rE(R * nk), rI(R * nk), rL(R * nk);
-      std::vector<double> rM(R * nk);
-      std::vector<char> rA(R);  // ring row has an upstream gradient in some channel
-      auto reset = [&] {
-        std::fill(mq.begin(), mq.end(), NEG_INF);
-        std::fill(se.begin(), se.end(), T(0));
-        std::fill(sdo.begin(), sdo.end(), T(0));
-      };
-      // dO = g sigma(q), E = sum over the key's channels of g y; dq = g y (1 - sigma(q)).
-      // L = 1 where the query has an upstream gradient in the key's channels (g != 0), else 0:
-      // a query with g = 0 contributes exactly nothing (dO = E = 0 by a select, whatever y, q),
-      // so a later input reaches no earlier gradient, not even through rounding or NaN.
-      auto prep = [&](int64_t t, T* dO, T* E, T* L, bool write_dq) {
-        const T *g = GY + vx(t), *q = Q + vx(t), *y = Y + vx(t);
-        T* dq = DQ + vx(t);
-        T acc = 0, live = 0;
-        #pragma omp simd reduction(+ : acc, live)
-        for (int64_t c = 0; c < cn; ++c) {
-          const bool has = g[c] != T(0);
-          const T sq = sigmoid(q[c]), gy = g[c] * y[c], ge = has ? gy : T(0);
-          dO[c] = has ? g[c] * sq : T(0);
-          if (write_dq) dq[c] = gy * (T(1) - sq);
-          if (!BC) {
-            E[c] = ge;
-            L[c] = has ? T(1) : T(0);
-          }
-          acc += ge;
-          live += has ? T(1) : T(0);
-        }
-        if (BC) {
-          E[0] = acc;
-          L[0] = live > T(0) ? T(1) : T(0);
-        }
-      };
-      // fold query t (key -M_t, weight 1/den_t; skipped where it has no key, 1/den = 0, or no
-      // upstream gradient, L = 0: the state is then kept as it is)
-      auto qfold = [&](const double* Mt, const T* it, const T* dO, const T* E, const T* L) {
-        #pragma omp simd
-        for (int64_t j = 0; j < nk; ++j) {
-          const bool has = (it[j] > T(0)) & (L[j] != T(0));
-          const double x = -Mt[j], d = x - mq[j];
-          const T e = expd<T>(-std::abs(d));
-          const bool up = d > 0;
-          a[j] = has && up ? e : T(1);
-          w[j] = has ? (up ? T(1) : e) * it[j] : T(0);
-          mq[j] = has && up ? x : mq[j];
-          se[j] = se[j] * a[j] + w[j] * E[j];  // L = 0: a = 1, w = 0, E = 0: kept exactly
-        }
-        #pragma omp simd
-        for (int64_t c = 0; c < cn; ++c) sdo[c] = sdo[c] * a[BC ? 0 : c] + w[BC ? 0 : c] * dO[c];
-      };
-      // the outside-the-band part of key t' from the query state: f = exp(k + max(-M)) <= 1
-      auto outside = [&](const T* k) {
-        #pragma omp simd
-        for (int64_t j = 0; j < nk; ++j) {
-          f[j] = expd<T>(static_cast<double>(k[j]) + mq[j]);
-          acck[j] = -f[j] * se[j];
-        }
-        #pragma omp simd
-        for (int64_t c = 0; c < cn; ++c) accv[c] = f[BC ? 0 : c] * sdo[c];
-      };
-      if (!geo.causal) {  // queries t <= t' - hi - 1 (key t' is in their suffix): into dk, dv
-        reset();
-        for (int64_t u = 0; u < Tn; ++u) {
-          const int64_t tq = u - hi - 1;
-          if (tq >= 0) {
-            prep(tq, rdo.data(), rE.data(), rL.data(), false);
-            qfold(MX + kx(tq), IV + kx(tq), rdo.data(), rE.data(), rL.data());
-          }
-          T *dk = DK + kx(u), *dv = DV + vx(u);
-          if (!valid(u)) {
-            std::fill(dk, dk + nk, T(0));
-            std::fill(dv, dv + cn, T(0));
-            continue;
-          }
-          outside(K + kx(u));
-          std::copy(acck.begin(), acck.end(), dk);
-          std::copy(accv.begin(), accv.end(), dv);
-        }
+struct Backward {
+  const BwdArgs<T>& io;
+  const Geo& geo;
+  const Task tk;
+  const int64_t Tn, lo, hi, nk, cn, R;  // R: ring rows, the band's queries
+  double* dwp;
+  // query-side scan state: max of -M_t, sums of dO_t / den_t and E_t / den_t
+  std::vector<double> mq;
+  std::vector<T> se, a, w, f, acck, sdo, accv;
+  // the ring of band queries: dO, E, 1/den, L, M (slot t mod R); rA: a gradient in some channel
+  std::vector<T> rdo, rE, rI, rL;
+  std::vector<double> rM;
+  std::vector<char> rA;
+
+  Backward(const BwdArgs<T>& io_, const Geo& g, int64_t i)
+      : io(io_), geo(g), tk(task_of<BC>(g, i)), Tn(g.T), lo(g.lo), hi(g.hi), nk(tk.nk),
+        cn(tk.cn), R(std::max<int64_t>(1, std::min(g.W, g.T))),
+        dwp(io_.DWP + i * g.Tb * g.G * g.W), mq(nk), se(nk), a(nk), w(nk), f(nk), acck(nk),
+        sdo(cn), accv(cn), rdo(R * cn), rE(R * nk), rI(R * nk), rL(R * nk), rM(R * nk), rA(R) {}
+
+  int64_t kx(int64_t t) const { return (tk.b * Tn + t) * geo.DK + tk.k0; }
+  int64_t vx(int64_t t) const { return (tk.b * Tn + t) * geo.D + tk.c0; }
+  bool valid(int64_t t) const { return io.Mk == nullptr || io.Mk[tk.b * Tn + t]; }
+  int64_t wi(int64_t t, int64_t j) const {  // index of w[tb(t), g, j] (and of dw)
+    return ((geo.Tb == 1 ? 0 : t) * geo.G + tk.g) * geo.W + j;
+  }
+
+  void reset() {
+    std::fill(mq.begin(), mq.end(), NEG_INF);
+    std::fill(se.begin(), se.end(), T(0));
+    std::fill(sdo.begin(), sdo.end(), T(0));
+  }
+
+  // dO = g sigma(q), E = sum over the key's channels of g y; dq = g y (1 - sigma(q)).
+  // L = 1 where the query has an upstream gradient in the key's channels (g != 0), else 0:
+  // a query with g = 0 contributes exactly nothing (dO = E = 0 by a select, whatever y, q),
+  // so a later input reaches no earlier gradient, not even through rounding or NaN.
+  void prep(int64_t t, T* dO, T* E, T* L, bool write_dq) {
+    const T *g = io.GY + vx(t), *q = io.Q + vx(t), *y = io.Y + vx(t);
+    T* dq = io.DQ + vx(t);
+    T acc = 0, live = 0;
+    #pragma omp simd reduction(+ : acc, live)
+    for (int64_t c = 0; c < cn; ++c) {
+      const bool has = g[c] != T(0);
+      const T sq = sigmoid(q[c]), gy = g[c] * y[c], ge = has ? gy : T(0);
+      dO[c] = has ? g[c] * sq : T(0);
+      if (write_dq) dq[c] = gy * (T(1) - sq);
+      if (!BC) {
+        E[c] = ge;
+        L[c] = has ? T(1) : T(0);
       }
-      // Per-channel keys: the band part, by blocks of BQ queries against the keys of their window
-      // (docs/kernels.md, "The band by blocks"). P = A_{t,u} e_u p_t with A = exp(w - a_t)
-      // (0 for a padded key), e_u = exp(k_u - b), p_t = exp(a_t + b - M_t) / den_t, and b per
-      // channel one shift for the block: causal, the largest valid key t' <= t0 (every query of
-      // the block sees those keys, so no later input reaches it); non-causal, of all keys. Then
-      //   dv_u += e_u (A^T PD)_u,  dk_u -= e_u (A^T PE)_u,
-      //   dw_{t,u} = A (PD_t . e_u v_u - PE_t . e_u)
-      // with PD = p dO, PE = p E: per key over the block's queries (key_block), no exponential
-      // per (query, key, channel). A query takes the exact P = exp(k + w - M_t) / den_t where a
-      // live channel is outside that range (p_t would pass 2^65, |b| or |a_t| > 2^20, a key of
-      // the block up to t above b by more than MARGIN, no key, NaN); a key above b by more than
-      // MARGIN is seen only by such queries, so its e_u is 0. A key is finished (dk += v dv)
-      // after the last block that sees it.
-      auto band_keys = [&] {
-        const int64_t W = geo.W, NW = BQ + lo + hi;
-        const int64_t RS = cn + 64 / static_cast<int64_t>(sizeof(T));  // row stride (L1 sets)
-        std::vector<double> bsh(nk, NEG_INF), brise(nk), qM(nk);
-        std::vector<T> PD(BQ * RS), PE(BQ * RS), EK(NW * RS), EV(NW * RS), A(BQ * W),
-            part(BQ * KL), qdo(cn), qE(nk), qL(nk), qI(nk), Pt(nk), accd(cn), acce(cn), av(BQ);
-        std::vector<int64_t> rows(BQ);
-        std::vector<char> good(BQ);
-        auto fold_max = [&](double* b, int64_t u) {
-          const T* k = K + kx(u);
-          #pragma omp simd
-          for (int64_t c = 0; c < nk; ++c) b[c] = k[c] > b[c] ? static_cast<double>(k[c]) : b[c];
-        };
-        if (!geo.causal)
-          for (int64_t u = 0; u < Tn; ++u)
-            if (valid(u)) fold_max(bsh.data(), u);
-        int64_t folded = 0, finished = 0;
-        auto finish = [&](int64_t u1) {  // dk += v dv for the keys before u1
-          for (; finished < u1; ++finished) {
-            if (!valid(finished)) continue;
-            T *dk = DK + kx(finished), *dv = DV + vx(finished);
-            const T* v = V + vx(finished);
-            #pragma omp simd
-            for (int64_t c = 0; c < cn; ++c) dk[c] += v[c] * dv[c];
-          }
-        };
-        for (int64_t t0 = 0; t0 < Tn; t0 += BQ) {
-          const int64_t t1 = std::min(Tn, t0 + BQ);
-          const int64_t u0 = std::max<int64_t>(0, t0 - lo), u1 = std::min(Tn, t1 + hi);
-          if (geo.causal) {
-            for (; folded <= t0; ++folded)
-              if (valid(folded)) fold_max(bsh.data(), folded);
-          }
-          std::copy(bsh.begin(), bsh.end(), brise.begin());
-          for (int64_t u = u0; u < u1; ++u) {  // the window's e_u and e_u v_u
-            T *ek = EK.data() + (u - u0) * RS, *ev = EV.data() + (u - u0) * RS;
-            if (!valid(u)) {
-              std::fill_n(ek, cn, T(0));
-              std::fill_n(ev, cn, T(0));
-              continue;
-            }
-            const T *k = K + kx(u), *v = V + vx(u);
-            #pragma omp simd
-            for (int64_t c = 0; c < cn; ++c) {
-              const double x = static_cast<double>(k[c]) - bsh[c];
-              const bool ok = (x <= MARGIN) & (std::abs(bsh[c]) <= BIG);
-              ek[c] = ok ? exp_fine<T>(ok ? x : 0.0) : T(0);
-              ev[c] = ek[c] * v[c];
-            }
-          }
-          for (int64_t t = t0; t < t1; ++t) {  // the queries' factors, or their exact pairs
-            const int64_t i = t - t0;
-            T *pd = PD.data() + i * RS, *pe = PE.data() + i * RS, *ai = A.data() + i * W;
-            good[i] = 0;
-            std::fill_n(ai, W, T(0));
-            if (geo.causal && t > t0 && valid(t)) fold_max(brise.data(), t);
-            prep(t, qdo.data(), qE.data(), qL.data(), false);
-            const double* wr = Wb + ((geo.Tb == 1 ? 0 : t) * geo.G + tk.g) * W;
-            const int64_t ua = std::max<int64_t>(0, t - lo), uz = std::min(Tn - 1, t + hi);
-            double a0 = 0.0;  // the forward's a_t
-            for (int64_t u = ua; u <= uz; ++u)
-              if (valid(u)) a0 = wr[u - t + lo] > a0 ? wr[u - t + lo] : a0;
-            const double* Ms = MX + kx(t);
-            const T* Is = IV + kx(t);
-            T live = 0, bad = 0;
-            #pragma omp simd reduction(+ : live, bad)
-            for (int64_t c = 0; c < nk; ++c) {
-              const bool on = qL[c] != T(0);
-              const double x = a0 + bsh[c] - Ms[c];
-              const bool ok = (Is[c] > T(0)) & (std::abs(bsh[c]) <= BIG) & (a0 <= BIG) &
-                              (x <= 45.0) & (brise[c] - bsh[c] <= MARGIN);
-              Pt[c] = on && ok ? exp_fine<T>(ok ? x : 0.0) * Is[c] : T(0);
-              qM[c] = on ? Ms[c] : std::numeric_limits<double>::infinity();
-              qI[c] = on ? Is[c] : T(0);
-              live += on ? T(1) : T(0);
-              bad += on && !ok ? T(1) : T(0);
-            }
-            if (live == T(0)) {  // no upstream gradient: contributes exactly 0
-              std::fill_n(pd, cn, T(0));
-              std::fill_n(pe, cn, T(0));
-              continue;
-            }
-            if (bad == T(0)) {
-              good[i] = 1;
-              for (int64_t u = ua; u <= uz; ++u)
-                if (valid(u)) ai[u - t + lo] = exp_fine<T>(wr[u - t + lo] - a0);
-              #pragma omp simd
-              for (int64_t c = 0; c < cn; ++c) {
-                pd[c] = Pt[c] * qdo[c];
-                pe[c] = Pt[c] * qE[c];
-              }
-              continue;
-            }
-            std::fill_n(pd, cn, T(0));
-            std::fill_n(pe, cn, T(0));
-            for (int64_t u = ua; u <= uz; ++u) {  // exact pairs, straight into dv, dk, dw
-              if (!valid(u)) continue;
-              const T *__restrict__ v = V + vx(u), *__restrict__ k = K + kx(u);
-              T *__restrict__ dv = DV + vx(u), *__restrict__ dk = DK + kx(u);
-              const double wv = wr[u - t + lo];
-              T sum = 0;
-              #pragma omp simd reduction(+ : sum)
-              for (int64_t c = 0; c < cn; ++c) {
-                const T P = expd<T>(static_cast<double>(k[c]) + wv - qM[c]) * qI[c];
-                const T pdc = P * qdo[c], pec = P * qE[c];
-                dv[c] += pdc;
-                dk[c] -= pec;
-                sum += v[c] * pdc - pec;
-              }
-              dwp[((geo.Tb == 1 ? 0 : t) * geo.G + tk.g) * W + u - t + lo] +=
-                  static_cast<double>(sum);
-            }
-          }
-          for (int64_t u = u0; u < u1; ++u) {  // per key: its sums and its dw over the block
-            const int64_t ta = std::max(t0, u - hi), tz = std::min(t1 - 1, u + lo);
-            int64_t nr = 0;
-            for (int64_t t = ta; t <= tz; ++t) {
-              const int64_t i = t - t0;
-              if (!good[i]) continue;
-              rows[nr] = i;
-              av[nr++] = A[i * W + u - t + lo];
-            }
-            if (nr == 0 || !valid(u)) continue;
-            const T *ek = EK.data() + (u - u0) * RS, *ev = EV.data() + (u - u0) * RS;
-            std::fill_n(part.data(), nr * KL, T(0));
-            int64_t c = 0;
-            for (; c + KL <= cn; c += KL)
-              key_block<T, KL>(PD.data() + c, PE.data() + c, RS, rows.data(), av.data(), nr,
-                               ek + c, ev + c, accd.data() + c, acce.data() + c, part.data());
-            for (; c < cn; ++c)
-              key_block<T, 1>(PD.data() + c, PE.data() + c, RS, rows.data(), av.data(), nr,
-                              ek + c, ev + c, accd.data() + c, acce.data() + c, part.data(), KL);
-            T *dv = DV + vx(u), *dk = DK + kx(u);
-            #pragma omp simd
-            for (int64_t cc = 0; cc < cn; ++cc) {
-              dv[cc] += ek[cc] * accd[cc];
-              dk[cc] -= ek[cc] * acce[cc];
-            }
-            for (int64_t r = 0; r < nr; ++r) {  // dw_{t,u} = A (PD_t . e_u v_u - PE_t . e_u)
-              T sum = 0;
-              for (int l = 0; l < KL; ++l) sum += part[r * KL + l];
-              const int64_t t = t0 + rows[r];
-              dwp[((geo.Tb == 1 ? 0 : t) * geo.G + tk.g) * W + u - t + lo] +=
-                  static_cast<double>(av[r] * sum);
-            }
-          }
-          finish(std::max<int64_t>(0, std::min(Tn, t1 - lo)));
-        }
-        finish(Tn);
-      };
-      // reverse pass over keys; the ring holds queries t' - hi .. t' + lo (slot t mod R)
-      reset();
-      // a ring row: where L = 0 the query's shift is +inf and 1/den 0, so P = exp(-inf) 0 = 0
-      // exactly for a finite key (no 0 * NaN); a row with no gradient at all is skipped
-      auto load = [&](int64_t t) {
-        const int64_t r = t % R;
-        const T* L = rL.data() + r * nk;
-        prep(t, rdo.data() + r * cn, rE.data() + r * nk, rL.data() + r * nk, true);
-        const double* Ms = MX + kx(t);
-        const T* Is = IV + kx(t);
-        double* Md = rM.data() + r * nk;
-        T* Id = rI.data() + r * nk;
-        T live = 0;
-        #pragma omp simd reduction(+ : live)
-        for (int64_t j = 0; j < nk; ++j) {
-          Md[j] = L[j] != T(0) ? Ms[j] : std::numeric_limits<double>::infinity();
-          Id[j] = L[j] != T(0) ? Is[j] : T(0);
-          live += L[j];
-        }
-        rA[r] = live > T(0);
-      };
-      for (int64_t t = std::max<int64_t>(0, Tn - hi); t < Tn; ++t) load(t);
-      for (int64_t u = Tn - 1; u >= 0; --u) {
-        const int64_t tl = u + lo + 1;  // leaves the band: key u is in its prefix from now on
-        if (tl < Tn) {
-          const int64_t r = tl % R;
-          qfold(rM.data() + r * nk, rI.data() + r * nk, rdo.data() + r * cn, rE.data() + r * nk,
-                rL.data() + r * nk);
-        }
-        if (u - hi >= 0) load(u - hi);
-        T *dk = DK + kx(u), *dv = DV + vx(u);
-        if (!valid(u)) {
-          std::fill(dk, dk + nk, T(0));
-          std::fill(dv, dv + cn, T(0));
-          continue;
-        }
-        const T *k = K + kx(u), *v = V + vx(u);
-        outside(k);
-        if (!geo.causal) {
-          for (int64_t j = 0; j < nk; ++j) acck[j] += dk[j];
-          for (int64_t c = 0; c < cn; ++c) accv[c] += dv[c];
-        }
-        const int64_t ta = std::max<int64_t>(0, u - hi), tz = std::min(Tn - 1, u + lo);
-        for (int64_t t = ta; BC && t <= tz; ++t) {  // the queries whose band holds key u
-          const int64_t r = t % R, jw = u - t + lo;
-          const int64_t wi = ((geo.Tb == 1 ? 0 : t) * geo.G + tk.g) * geo.W + jw;
-          const double wv = Wb[wi];
-          const double* Mt = rM.data() + r * nk;
-          const T *it = rI.data() + r * nk, *Et = rE.data() + r * nk, *dO = rdo.data() + r * cn;
-          if (!rA[r]) continue;  // no upstream gradient: contributes exactly 0
-          T sum = 0;  // dw: sum of P (dO . v - E) over the task's channels
-          if constexpr (BC) {
-            const T P = expd<T>(static_cast<double>(k[0]) + wv - Mt[0]) * it[0];
-            #pragma omp simd reduction(+ : sum)
-            for (int64_t c = 0; c < cn; ++c) {
-              const T pd = P * dO[c];
-              accv[c] += pd;
-              sum += v[c] * pd;
-            }
-            const T pe = P * Et[0];
-            acck[0] -= pe;
-            sum -= pe;
-          }
-          dwp[wi] += static_cast<double>(sum);
-        }
-        std::copy(accv.begin(), accv.end(), dv);
-        if constexpr (BC) {
-          T vd = 0;
-          #pragma omp simd reduction(+ : vd)
-          for (int64_t c = 0; c < cn; ++c) vd += v[c] * accv[c];
-          dk[0] = acck[0] + vd;
-        } else {
-          std::copy(acck.begin(), acck.end(), dk);  // the band part follows (band_keys)
-        }
-      }
-      if constexpr (!BC) band_keys();
+      acc += ge;
+      live += has ? T(1) : T(0);
     }
+    if (BC) {
+      E[0] = acc;
+      L[0] = live > T(0) ? T(1) : T(0);
+    }
+  }
+
+  // Fold query t (key -M_t, weight 1/den_t; skipped where it has no key, 1/den = 0, or no
+  // upstream gradient, L = 0: the state is then kept as it is).
+  void qfold(const double* Mt, const T* it, const T* dO, const T* E, const T* L) {
+    #pragma omp simd
+    for (int64_t j = 0; j < nk; ++j) {
+      const bool has = (it[j] > T(0)) & (L[j] != T(0));
+      const double x = -Mt[j], d = x - mq[j];
+      const T e = expd<T>(-std::abs(d));
+      const bool up = d > 0;
+      a[j] = has && up ? e : T(1);
+      w[j] = has ? (up ? T(1) : e) * it[j] : T(0);
+      mq[j] = has && up ? x : mq[j];
+      se[j] = se[j] * a[j] + w[j] * E[j];  // L = 0: a = 1, w = 0, E = 0: kept exactly
+    }
+    #pragma omp simd
+    for (int64_t c = 0; c < cn; ++c) sdo[c] = sdo[c] * a[BC ? 0 : c] + w[BC ? 0 : c] * dO[c];
+  }
+
+  // The outside-the-band part of key t' from the query state: f = exp(k + max(-M)) <= 1.
+  void outside(const T* k) {
+    #pragma omp simd
+    for (int64_t j = 0; j < nk; ++j) {
+      f[j] = expd<T>(static_cast<double>(k[j]) + mq[j]);
+      acck[j] = -f[j] * se[j];
+    }
+    #pragma omp simd
+    for (int64_t c = 0; c < cn; ++c) accv[c] = f[BC ? 0 : c] * sdo[c];
+  }
+
+  // Non-causal: the queries t <= t' - hi - 1 (key t' is in their suffix), into dk, dv.
+  void prefix_queries() {
+    reset();
+    for (int64_t u = 0; u < Tn; ++u) {
+      const int64_t tq = u - hi - 1;
+      if (tq >= 0) {
+        prep(tq, rdo.data(), rE.data(), rL.data(), false);
+        qfold(io.MX + kx(tq), io.IV + kx(tq), rdo.data(), rE.data(), rL.data());
+      }
+      T *dk = io.DK + kx(u), *dv = io.DV + vx(u);
+      if (!valid(u)) {
+        std::fill(dk, dk + nk, T(0));
+        std::fill(dv, dv + cn, T(0));
+        continue;
+      }
+      outside(io.K + kx(u));
+      std::copy(acck.begin(), acck.end(), dk);
+      std::copy(accv.begin(), accv.end(), dv);
+    }
+  }
+
+  // Query t into the ring: where L = 0 its shift is +inf and 1/den 0, so P = exp(-inf) 0 = 0
+  // exactly for a finite key (no 0 * NaN); a row with no gradient at all is skipped.
+  void load(int64_t t) {
+    const int64_t r = t % R;
+    const T* L = rL.data() + r * nk;
+    prep(t, rdo.data() + r * cn, rE.data() + r * nk, rL.data() + r * nk, true);
+    const double* Ms = io.MX + kx(t);
+    const T* Is = io.IV + kx(t);
+    double* Md = rM.data() + r * nk;
+    T* Id = rI.data() + r * nk;
+    T live = 0;
+    #pragma omp simd reduction(+ : live)
+    for (int64_t j = 0; j < nk; ++j) {
+      Md[j] = L[j] != T(0) ? Ms[j] : std::numeric_limits<double>::infinity();
+      Id[j] = L[j] != T(0) ? Is[j] : T(0);
+      live += L[j];
+    }
+    rA[r] = live > T(0);
+  }
+
+  // One key per group: the band's queries t of key u from the ring, into accv, acck and dw.
+  void group_band(int64_t u, const T* k, const T* v) {
+    const int64_t ta = std::max<int64_t>(0, u - hi), tz = std::min(Tn - 1, u + lo);
+    for (int64_t t = ta; t <= tz; ++t) {
+      const int64_t r = t % R, j = wi(t, u - t + lo);
+      if (!rA[r]) continue;  // no upstream gradient: contributes exactly 0
+      const double* Mt = rM.data() + r * nk;
+      const T *it = rI.data() + r * nk, *Et = rE.data() + r * nk, *dO = rdo.data() + r * cn;
+      const T P = expd<T>(static_cast<double>(k[0]) + io.Wb[j] - Mt[0]) * it[0];
+      T sum = 0;  // dw: sum of P (dO . v - E) over the task's channels
+      #pragma omp simd reduction(+ : sum)
+      for (int64_t c = 0; c < cn; ++c) {
+        const T pd = P * dO[c];
+        accv[c] += pd;
+        sum += v[c] * pd;
+      }
+      const T pe = P * Et[0];
+      acck[0] -= pe;
+      sum -= pe;
+      dwp[j] += static_cast<double>(sum);
+    }
+  }
+
+  // The reverse pass over keys; the ring holds the queries t' - hi .. t' + lo (slot t mod R).
+  void keys() {
+    reset();
+    for (int64_t t = std::max<int64_t>(0, Tn - hi); t < Tn; ++t) load(t);
+    for (int64_t u = Tn - 1; u >= 0; --u) {
+      const int64_t tl = u + lo + 1;  // leaves the band: key u is in its prefix from now on
+      if (tl < Tn) {
+        const int64_t r = tl % R;
+        qfold(rM.data() + r * nk, rI.data() + r * nk, rdo.data() + r * cn, rE.data() + r * nk,
+              rL.data() + r * nk);
+      }
+      if (u - hi >= 0) load(u - hi);
+      T *dk = io.DK + kx(u), *dv = io.DV + vx(u);
+      if (!valid(u)) {
+        std::fill(dk, dk + nk, T(0));
+        std::fill(dv, dv + cn, T(0));
+        continue;
+      }
+      const T *k = io.K + kx(u), *v = io.V + vx(u);
+      outside(k);
+      if (!geo.causal) {
+        for (int64_t j = 0; j < nk; ++j) acck[j] += dk[j];
+        for (int64_t c = 0; c < cn; ++c) accv[c] += dv[c];
+      }
+      if constexpr (BC) group_band(u, k, v);
+      std::copy(accv.begin(), accv.end(), dv);
+      if constexpr (BC) {
+        T vd = 0;
+        #pragma omp simd reduction(+ : vd)
+        for (int64_t c = 0; c < cn; ++c) vd += v[c] * accv[c];
+        dk[0] = acck[0] + vd;
+      } else {
+        std::copy(acck.begin(), acck.end(), dk);  // the band part follows (Blocks)
+      }
+    }
+  }
+
+  void run();
+};
+
+// Per-channel keys: the band part of the backward, by blocks of BQ queries against the keys of
+// their window (docs/kernels.md, "The band by blocks"). P = A_{t,u} e_u p_t with A = exp(w - a_t)
+// (0 for a padded key), e_u = exp(k_u - b), p_t = exp(a_t + b - M_t) / den_t, and b per channel
+// one shift for the block: causal, the largest valid key t' <= t0 (every query of the block sees
+// those keys, so no later input reaches it); non-causal, of all keys. Then
+//   dv_u += e_u (A^T PD)_u,  dk_u -= e_u (A^T PE)_u,
+//   dw_{t,u} = A (PD_t . e_u v_u - PE_t . e_u)
+// with PD = p dO, PE = p E: per key over the block's queries (key_block), no exponential per
+// (query, key, channel). A query takes the exact P = exp(k + w - M_t) / den_t where a live
+// channel is outside that range (p_t would pass 2^65, |b| or |a_t| > 2^20, a key of the block up
+// to t above b by more than MARGIN, no key, NaN); a key above b by more than MARGIN is seen only
+// by such queries, so its e_u is 0. A key is finished (dk += v dv) after the last block that
+// sees it.
+template <typename T>
+struct Blocks {
+  Backward<T, false>& bw;
+  const BwdArgs<T>& io;
+  const int64_t Tn, lo, hi, cn, W, NW, RS;
+  std::vector<double> bsh, brise, qM;  // the block's shift b; the running max up to t; M_t
+  // per query of the block: p dO, p E (rows of stride RS: L1 sets) and A; per window key:
+  // e_u, e_u v_u
+  std::vector<T> PD, PE, EK, EV, A;
+  std::vector<T> part, qdo, qE, qL, qI, Pt, accd, acce, av;
+  std::vector<int64_t> rows;  // the factorised queries of the block that see the current key
+  std::vector<char> good;     // query of the block on the factorised path
+  int64_t folded = 0, finished = 0;
+
+  explicit Blocks(Backward<T, false>& b)
+      : bw(b), io(b.io), Tn(b.Tn), lo(b.lo), hi(b.hi), cn(b.cn), W(b.geo.W),
+        NW(BQ + b.lo + b.hi), RS(b.cn + 64 / static_cast<int64_t>(sizeof(T))), bsh(cn, NEG_INF),
+        brise(cn), qM(cn), PD(BQ * RS), PE(BQ * RS), EK(NW * RS), EV(NW * RS), A(BQ * W),
+        part(BQ * KL), qdo(cn), qE(cn), qL(cn), qI(cn), Pt(cn), accd(cn), acce(cn), av(BQ),
+        rows(BQ), good(BQ) {}
+
+  void fold_max(double* b, int64_t u) {
+    const T* k = io.K + bw.kx(u);
+    #pragma omp simd
+    for (int64_t c = 0; c < cn; ++c) b[c] = k[c] > b[c] ? static_cast<double>(k[c]) : b[c];
+  }
+  void finish(int64_t u1) {  // dk += v dv for the keys before u1
+    for (; finished < u1; ++finished) {
+      if (!bw.valid(finished)) continue;
+      T *dk = io.DK + bw.kx(finished), *dv = io.DV + bw.vx(finished);
+      const T* v = io.V + bw.vx(finished);
+      #pragma omp simd
+      for (int64_t c = 0; c < cn; ++c) dk[c] += v[c] * dv[c];
+    }
+  }
+
+  // The window's e_u and e_u v_u (0 for a padded key or one above b by more than MARGIN).
+  void window(int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      T *ek = EK.data() + (u - u0) * RS, *ev = EV.data() + (u - u0) * RS;
+      if (!bw.valid(u)) {
+        std::fill_n(ek, cn, T(0));
+        std::fill_n(ev, cn, T(0));
+        continue;
+      }
+      const T *k = io.K + bw.kx(u), *v = io.V + bw.vx(u);
+      #pragma omp simd
+      for (int64_t c = 0; c < cn; ++c) {
+        const double x = static_cast<double>(k[c]) - bsh[c];
+        const bool ok = (x <= MARGIN) & (std::abs(bsh[c]) <= BIG);
+        ek[c] = ok ? exp_fine<T>(ok ? x : 0.0) : T(0);
+        ev[c] = ek[c] * v[c];
+      }
+    }
+  }
+
+  // Query t (row i of the block): its factors A, PD, PE (good[i]), or its exact pairs. Always
+  // inlined into run: called out of line, the backward measured 1.3x slower (band_ab, T 1024).
+  AFTLAB_ELEM void query(int64_t t, int64_t t0) {
+    const int64_t i = t - t0;
+    T *pd = PD.data() + i * RS, *pe = PE.data() + i * RS, *ai = A.data() + i * W;
+    good[i] = 0;
+    std::fill_n(ai, W, T(0));
+    if (bw.geo.causal && t > t0 && bw.valid(t)) fold_max(brise.data(), t);
+    bw.prep(t, qdo.data(), qE.data(), qL.data(), false);
+    const double* wr = io.Wb + bw.wi(t, 0);
+    const int64_t ua = std::max<int64_t>(0, t - lo), uz = std::min(Tn - 1, t + hi);
+    double a0 = 0.0;  // the forward's a_t
+    for (int64_t u = ua; u <= uz; ++u)
+      if (bw.valid(u)) a0 = wr[u - t + lo] > a0 ? wr[u - t + lo] : a0;
+    const double* Ms = io.MX + bw.kx(t);
+    const T* Is = io.IV + bw.kx(t);
+    T live = 0, bad = 0;
+    #pragma omp simd reduction(+ : live, bad)
+    for (int64_t c = 0; c < cn; ++c) {
+      const bool on = qL[c] != T(0);
+      const double x = a0 + bsh[c] - Ms[c];
+      const bool ok = (Is[c] > T(0)) & (std::abs(bsh[c]) <= BIG) & (a0 <= BIG) & (x <= 45.0) &
+                      (brise[c] - bsh[c] <= MARGIN);
+      Pt[c] = on && ok ? exp_fine<T>(ok ? x : 0.0) * Is[c] : T(0);
+      qM[c] = on ? Ms[c] : std::numeric_limits<double>::infinity();
+      qI[c] = on ? Is[c] : T(0);
+      live += on ? T(1) : T(0);
+      bad += on && !ok ? T(1) : T(0);
+    }
+    if (live == T(0)) {  // no upstream gradient: contributes exactly 0
+      std::fill_n(pd, cn, T(0));
+      std::fill_n(pe, cn, T(0));
+      return;
+    }
+    if (bad == T(0)) {
+      good[i] = 1;
+      for (int64_t u = ua; u <= uz; ++u)
+        if (bw.valid(u)) ai[u - t + lo] = exp_fine<T>(wr[u - t + lo] - a0);
+      #pragma omp simd
+      for (int64_t c = 0; c < cn; ++c) {
+        pd[c] = Pt[c] * qdo[c];
+        pe[c] = Pt[c] * qE[c];
+      }
+      return;
+    }
+    std::fill_n(pd, cn, T(0));
+    std::fill_n(pe, cn, T(0));
+    exact_pairs(t, ua, uz, wr);
+  }
+
+  // Query t's exact P = exp(k + w - M_t) / den_t with its band keys [ua, uz], straight into
+  // dv, dk and dw.
+  void exact_pairs(int64_t t, int64_t ua, int64_t uz, const double* wr) {
+    for (int64_t u = ua; u <= uz; ++u) {
+      if (!bw.valid(u)) continue;
+      const T *__restrict__ v = io.V + bw.vx(u), *__restrict__ k = io.K + bw.kx(u);
+      T *__restrict__ dv = io.DV + bw.vx(u), *__restrict__ dk = io.DK + bw.kx(u);
+      const double wv = wr[u - t + lo];
+      T sum = 0;
+      #pragma omp simd reduction(+ : sum)
+      for (int64_t c = 0; c < cn; ++c) {
+        const T P = expd<T>(static_cast<double>(k[c]) + wv - qM[c]) * qI[c];
+        const T pdc = P * qdo[c], pec = P * qE[c];
+        dv[c] += pdc;
+        dk[c] -= pec;
+        sum += v[c] * pdc - pec;
+      }
+      bw.dwp[bw.wi(t, u - t + lo)] += static_cast<double>(sum);
+    }
+  }
+
+  // Key u against the factorised queries of the block [t0, t1) that see it: its sums and dw.
+  void key(int64_t u, int64_t t0, int64_t t1, int64_t u0) {
+    const int64_t ta = std::max(t0, u - hi), tz = std::min(t1 - 1, u + lo);
+    int64_t nr = 0;
+    for (int64_t t = ta; t <= tz; ++t) {
+      const int64_t i = t - t0;
+      if (!good[i]) continue;
+      rows[nr] = i;
+      av[nr++] = A[i * W + u - t + lo];
+    }
+    if (nr == 0 || !bw.valid(u)) return;
+    const T *ek = EK.data() + (u - u0) * RS, *ev = EV.data() + (u - u0) * RS;
+    std::fill_n(part.data(), nr * KL, T(0));
+    int64_t c = 0;
+    for (; c + KL <= cn; c += KL)
+      key_block<T, KL>(PD.data() + c, PE.data() + c, RS, rows.data(), av.data(), nr, ek + c,
+                       ev + c, accd.data() + c, acce.data() + c, part.data());
+    for (; c < cn; ++c)
+      key_block<T, 1>(PD.data() + c, PE.data() + c, RS, rows.data(), av.data(), nr, ek + c,
+                      ev + c, accd.data() + c, acce.data() + c, part.data(), KL);
+    T *dv = io.DV + bw.vx(u), *dk = io.DK + bw.kx(u);
+    #pragma omp simd
+    for (int64_t cc = 0; cc < cn; ++cc) {
+      dv[cc] += ek[cc] * accd[cc];
+      dk[cc] -= ek[cc] * acce[cc];
+    }
+    for (int64_t r = 0; r < nr; ++r) {  // dw_{t,u} = A (PD_t . e_u v_u - PE_t . e_u)
+      T sum = 0;
+      for (int l = 0; l < KL; ++l) sum += part[r * KL + l];
+      const int64_t t = t0 + rows[r];
+      bw.dwp[bw.wi(t, u - t + lo)] += static_cast<double>(av[r] * sum);
+    }
+  }
+
+  void run() {
+    if (!bw.geo.causal)
+      for (int64_t u = 0; u < Tn; ++u)
+        if (bw.valid(u)) fold_max(bsh.data(), u);
+    for (int64_t t0 = 0; t0 < Tn; t0 += BQ) {
+      const int64_t t1 = std::min(Tn, t0 + BQ);
+      const int64_t u0 = std::max<int64_t>(0, t0 - lo), u1 = std::min(Tn, t1 + hi);
+      if (bw.geo.causal) {
+        for (; folded <= t0; ++folded)
+          if (bw.valid(folded)) fold_max(bsh.data(), folded);
+      }
+      std::copy(bsh.begin(), bsh.end(), brise.begin());
+      window(u0, u1);
+      for (int64_t t = t0; t < t1; ++t) query(t, t0);
+      for (int64_t u = u0; u < u1; ++u) key(u, t0, t1, u0);
+      finish(std::max<int64_t>(0, std::min(Tn, t1 - lo)));
+    }
+    finish(Tn);
+  }
+};
+
+template <typename T, bool BC>
+void Backward<T, BC>::run() {
+  if (!geo.causal) prefix_queries();
+  keys();
+  if constexpr (!BC) Blocks<T>(*this).run();
+}
+
+template <typename T, bool BC>
+void band_bwd(const BwdArgs<T>& io, const Geo& geo) {
+  at::parallel_for(0, geo.tasks(), 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) Backward<T, BC>(io, geo, i).run();
   });
 }
 
@@ -1016,11 +1174,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> band(const at::Tensor& q_, const 
                        : at::empty({0}, k.options().dtype(at::kDouble));
   auto iv = keep_stats ? at::empty_like(k) : at::empty({0}, k.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "band", [&] {
-    auto f = bc ? band_fwd<scalar_t, true> : band_fwd<scalar_t, false>;
-    f(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
-      w.data_ptr<double>(), M, y.data_ptr<scalar_t>(),
-      keep_stats ? mx.data_ptr<double>() : nullptr,
-      keep_stats ? iv.data_ptr<scalar_t>() : nullptr, save, geo);
+    const FwdArgs<scalar_t> io{q.data_ptr<scalar_t>(),
+                               k.data_ptr<scalar_t>(),
+                               v.data_ptr<scalar_t>(),
+                               w.data_ptr<double>(),
+                               M,
+                               y.data_ptr<scalar_t>(),
+                               keep_stats ? mx.data_ptr<double>() : nullptr,
+                               keep_stats ? iv.data_ptr<scalar_t>() : nullptr,
+                               save};
+    (bc ? band_fwd<scalar_t, true> : band_fwd<scalar_t, false>)(io, geo);
   });
   if (!save) return {y, at::empty({0}, mx.options()), at::empty({0}, iv.options())};
   return {y, mx, iv};
@@ -1044,11 +1207,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> band_backward(
   const int64_t nw = geo.Tb * geo.G * geo.W;
   auto parts = at::zeros({geo.tasks(), nw}, w.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "band_backward", [&] {
-    auto f = bc ? band_bwd<scalar_t, true> : band_bwd<scalar_t, false>;
-    f(gy.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
-      v.data_ptr<scalar_t>(), w.data_ptr<double>(), y.data_ptr<scalar_t>(),
-      mx.data_ptr<double>(), iv.data_ptr<scalar_t>(), M, dq.data_ptr<scalar_t>(),
-      dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(), parts.data_ptr<double>(), geo);
+    const BwdArgs<scalar_t> io{gy.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(),
+                               k.data_ptr<scalar_t>(),  v.data_ptr<scalar_t>(),
+                               w.data_ptr<double>(),    y.data_ptr<scalar_t>(),
+                               mx.data_ptr<double>(),   iv.data_ptr<scalar_t>(),
+                               M,                       dq.data_ptr<scalar_t>(),
+                               dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(),
+                               parts.data_ptr<double>()};
+    (bc ? band_bwd<scalar_t, true> : band_bwd<scalar_t, false>)(io, geo);
   });
   // dw: the tasks' partial sums added in task order (deterministic for a thread count)
   auto dw = at::zeros({nw}, w.options());
