@@ -1,8 +1,9 @@
 """One call of a bench case under two allocators, each in a fresh process: glibc's default (as
-in a training process) and the bench's fresh-process setting (every block over 128 KiB mapped
-afresh and returned on free, so that its peak-memory reading follows the live tensors; every
-page of every new tensor is then faulted in and zeroed on each call). Prints the median time
-and the minor page faults per call of each:
+in a training process, and as the bench times its calls) and the setting of the bench's memory
+call (``fresh_pages``: every block over 128 KiB mapped afresh and returned on free, so that the
+peak-memory reading follows the live tensors; every page of every new tensor is then faulted in
+and zeroed on each call; the bench timed under it until 2026-12-07). Prints the median time and
+the minor page faults per call of each:
 
     python benchmarks/alloc_faults.py [--mixer aft-local] [--mode train] [--T 4096]
         [--batch 4] [--dim 256] [--heads 4] [--threads 2] [--repeats 10]
@@ -26,7 +27,7 @@ from aftlab.bench.measure import _setup, fresh_pages
 
 def measure(a: argparse.Namespace, fresh: bool) -> str:
     """Median ms and faults per call of the case, in this process."""
-    if fresh:  # as the bench's case processes
+    if fresh:  # as the bench's memory call
         fresh_pages()
     torch.set_num_threads(a.threads)
     cfg = BenchConfig(threads=a.threads, device="cpu", dtype="float32")
@@ -40,7 +41,7 @@ def measure(a: argparse.Namespace, fresh: bool) -> str:
         fn()
         times.append(time.perf_counter() - t0)
     faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / a.repeats
-    name = "bench's fresh pages" if fresh else "glibc default"
+    name = "fresh pages" if fresh else "glibc default"
     return f"{name:20s} median {median(times) * 1e3:8.2f} ms, {faults:9,.0f} minor faults a call"
 
 

@@ -4,6 +4,7 @@ A quick A/B measurement for kernel work, not a test:
 
     python benchmarks/band_ab.py --base HEAD~1 [--lengths 256,4096] [--windows 1,32]
         [--non-causal] [--conv] [--base-cflags "..."] [--threads 2] [--rounds 12]
+        [--batch 4] [--dim 256]
     python benchmarks/band_ab.py --base HEAD --identical
 
 The base commit's ``csrc/band.cpp`` and ``common.h`` are read with ``git show``, built under the op
@@ -12,7 +13,8 @@ other flags) and loaded beside this checkout's kernels. ``--conv`` times aft-con
 per head, 4 heads, a shared kernel ``w (1, 4, W)``) instead of aft-local's (a key per channel, a
 bias row per query). Each round times one call of each build, alternating, so a slow spell of a
 shared machine hits both; the report is the fastest round of each (ms), forward with the statistics
-saved (as training runs it) and the backward alone, B = 4, d = 256, float32, and the largest
+saved (as training runs it) and the backward alone, B = 4, d = 256 (``--batch``, ``--dim``),
+float32, and the largest
 difference between the two builds' outputs and gradients.
 
 ``--identical`` times nothing: it checks a change that should not alter a bit (a refactor) on
@@ -62,16 +64,17 @@ def timed(fn, *args) -> float:
     return time.perf_counter() - t0
 
 
-def compare(ops: dict, T: int, s: int, causal: bool, rounds: int, conv: bool = False) -> str:
+def compare(ops: dict, T: int, s: int, causal: bool, rounds: int, conv: bool = False,
+            B: int = 4, d: int = 256) -> str:
     """One table row: the fastest forward (statistics saved) and backward of each build."""
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(4, T, 256, generator=g) for _ in range(3))
+    q, k, v = (torch.randn(B, T, d, generator=g) for _ in range(3))
     lo, hi = s - 1, 0 if causal else s - 1
     rows, groups = (1, 4) if conv else (T, 1)
     if conv:
-        k = torch.randn(4, T, groups, generator=g)
+        k = torch.randn(B, T, groups, generator=g)
     w = 0.1 * torch.randn(rows, groups, lo + hi + 1, generator=g, dtype=torch.float64)
-    gy = torch.randn(4, T, 256, generator=g)
+    gy = torch.randn(B, T, d, generator=g)
     geo = (lo, hi, causal, None)
     out = {n: op.band(q, k, v, w, *geo, True) for n, op in ops.items()}
     best = {(n, m): float("inf") for n in ops for m in ("f", "b")}
@@ -146,6 +149,8 @@ def main() -> None:
     p.add_argument("--conv", action="store_true", help="aft-conv's form: one key per head")
     p.add_argument("--base-cflags", help="compiler flags of the base build (default: aftlab's)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--dim", type=int, default=256)
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--identical", action="store_true",
                    help="check that every output is bit for bit the base's instead of timing")
@@ -161,14 +166,14 @@ def main() -> None:
         causal = not a.non_causal
         form = "aft-conv (4 heads, a key each)" if a.conv else "aft-local (a key per channel)"
         print(f"band kernel, {a.base} (base, flags {' '.join(flags)}) against this checkout "
-              f"(flags {' '.join(_build.cflags())}); {form}, B 4, d 256, float32, "
+              f"(flags {' '.join(_build.cflags())}); {form}, B {a.batch}, d {a.dim}, float32, "
               f"{a.threads} threads, {'causal' if causal else 'non-causal'}, fastest of "
               f"{a.rounds} alternating rounds")
         print("| T | s | forward base / this | backward base / this | max diff y, grads |")
         print("|---|---|---|---|---|")
         for T in map(int, a.lengths.split(",")):
             for s in map(int, a.windows.split(",")):
-                print(compare(ops, T, s, causal, a.rounds, a.conv))
+                print(compare(ops, T, s, causal, a.rounds, a.conv, a.batch, a.dim))
 
 if __name__ == "__main__":
     main()

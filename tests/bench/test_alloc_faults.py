@@ -18,4 +18,4 @@ def test_both_allocators_are_measured_in_their_own_processes():
     assert lines[0].startswith("aft-local train, causal, B 1, T 16, d 8, 2 heads")
     pattern = r"median +[0-9.]+ ms, +[0-9,]+ minor faults a call"
     assert lines[1].startswith("glibc default") and re.search(pattern, lines[1])
-    assert lines[2].startswith("bench's fresh pages") and re.search(pattern, lines[2])
+    assert lines[2].startswith("fresh pages") and re.search(pattern, lines[2])

@@ -235,6 +235,21 @@ def test_peak_memory_sees_a_64_mib_temporary():
     assert 60 * 2**20 <= int(peak) <= 200 * 2**20
 
 
+def test_fresh_pages_lets_the_memory_call_see_what_timed_calls_left_in_the_heap():
+    """The bench times its calls first, under glibc's own policy, which keeps a freed 16 MiB
+    tensor in the heap for the next call; its memory call comes after fresh_pages, which also
+    gives that memory back (without the trim the call below reads a peak of 0)."""
+    code = (
+        "import torch; from aftlab.bench.measure import peak_memory, fresh_pages\n"
+        "def alloc():\n    x = torch.ones(4 * 2**20)  # 16 MiB, touched\n    return float(x[-1])\n"
+        "for _ in range(3):\n    alloc()\n"
+        "fresh_pages()\n"
+        "print(peak_memory(alloc, torch.device('cpu'))[0])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert 15 * 2**20 <= int(out.stdout) <= 64 * 2**20
+
+
 def test_tensor_bytes_counts_each_storage_once():
     a = torch.zeros(10, 4)
     state = {"k": a, "view": a[2:], "list": [torch.zeros(3, dtype=torch.float64)]}

@@ -24,7 +24,7 @@ from .._system import memory_baseline, peak_memory_since
 from ..testing import assert_close, decode, max_error
 from .cases import Op, Shape, Spec, cases, prepare
 
-SLOW_CALL_S = 1.0  # a first call slower than this is also the memory call
+SLOW_CALL_S = 1.0  # a first call slower than this is all the warm-up
 
 
 class Gate(NamedTuple):
@@ -196,9 +196,13 @@ def _setup(spec: Spec, op: Op | None, device, dtype) -> tuple[Callable, dict]:
 
 def run_case(spec: Spec, op: Op | None = None, where: str = "in-process") -> dict:
     """The row's measured fields: prime at a tiny size (one-time costs counted nowhere), set up,
-    warm up, measure the peak memory once (a first call over :data:`SLOW_CALL_S` is warm-up and
-    memory call), then time up to ``repeats`` calls within ``max_seconds_per_case`` (at least
-    one); ``status`` ``"ok"``, ``"skipped"`` (out of memory) or ``"error"``."""
+    warm up (a first call over :data:`SLOW_CALL_S` is all the warm-up), time up to ``repeats``
+    calls within ``max_seconds_per_case`` (at least one), then measure the peak memory on one
+    more call; ``status`` ``"ok"``, ``"skipped"`` (out of memory) or ``"error"``.
+
+    The calls are timed under the allocator as a training process has it; in a case's own
+    process (``where="fresh process"``) the memory call runs after :func:`fresh_pages`, so that
+    the resident set follows the live tensors."""
     cfg, s = spec.cfg, spec.shape
     deadline = time.perf_counter() + cfg.max_seconds_per_case
     torch.set_num_threads(cfg.threads)
@@ -207,14 +211,15 @@ def run_case(spec: Spec, op: Op | None = None, where: str = "in-process") -> dic
     try:
         _setup(tiny, op, device, dtype)[0]()
         fn, info = _setup(spec, op, device, dtype)
-        peak, method, first = peak_memory(fn, device)
-        if first < SLOW_CALL_S:
+        if timed(fn, device) < SLOW_CALL_S:
             for _ in range(cfg.warmup - 1):
                 timed(fn, device)
-            peak, method, _ = peak_memory(fn, device)
         times = [timed(fn, device)]
         while len(times) < cfg.repeats and time.perf_counter() + median(times) < deadline:
             times.append(timed(fn, device))
+        if where == "fresh process":
+            fresh_pages()
+        peak, method, _ = peak_memory(fn, device)
     except torch.OutOfMemoryError as e:
         return {"status": "skipped", "note": f"out of memory: {str(e).splitlines()[0]}"}
     except Exception as e:  # reported per case: one broken mixer must not stop the run
@@ -234,19 +239,21 @@ def run_case(spec: Spec, op: Op | None = None, where: str = "in-process") -> dic
 
 def fresh_pages() -> None:
     """This process's allocator (glibc) maps every block over 128 KiB afresh and returns it on
-    free (``M_MMAP_THRESHOLD``, ``M_TRIM_THRESHOLD``), so that its resident memory follows the
-    live tensors; a no-op elsewhere. Each new tensor's pages are then faulted in on first use
-    (``benchmarks/alloc_faults.py`` measures what that costs)."""
+    free (``M_MMAP_THRESHOLD``, ``M_TRIM_THRESHOLD``), and the free memory it holds now is given
+    back (``malloc_trim``), so that its resident memory follows the live tensors from here on; a
+    no-op elsewhere. Each new tensor's pages are then faulted in on first use
+    (``benchmarks/alloc_faults.py`` measures what that costs), so the bench times its calls
+    before this."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(-3, 128 * 1024)
         libc.mallopt(-1, 128 * 1024)
+        libc.malloc_trim(0)
     except (OSError, AttributeError):
         pass
 
 
 def _child(spec: Spec, conn) -> None:
-    fresh_pages()
     try:
         conn.send(run_case(spec, where="fresh process"))
     finally:
