@@ -194,15 +194,15 @@ def _setup(spec: Spec, op: Op | None, device, dtype) -> tuple[Callable, dict]:
     return lambda: torch.autograd.grad(f(x), leaves, dy), info
 
 
-def run_case(spec: Spec, op: Op | None = None, where: str = "in-process") -> dict:
+def run_case(spec: Spec, op: Op | None = None, own_process: bool = False) -> dict:
     """The row's measured fields: prime at a tiny size (one-time costs counted nowhere), set up,
     warm up (a first call over :data:`SLOW_CALL_S` is all the warm-up), time up to ``repeats``
     calls within ``max_seconds_per_case`` (at least one), then measure the peak memory on one
     more call; ``status`` ``"ok"``, ``"skipped"`` (out of memory) or ``"error"``.
 
     The calls are timed under the allocator as a training process has it; in a case's own
-    process (``where="fresh process"``) the memory call runs after :func:`fresh_pages`, so that
-    the resident set follows the live tensors."""
+    process (``own_process``) the memory call runs after :func:`fresh_pages`, so that the
+    resident set follows the live tensors."""
     cfg, s = spec.cfg, spec.shape
     deadline = time.perf_counter() + cfg.max_seconds_per_case
     torch.set_num_threads(cfg.threads)
@@ -217,7 +217,7 @@ def run_case(spec: Spec, op: Op | None = None, where: str = "in-process") -> dic
         times = [timed(fn, device)]
         while len(times) < cfg.repeats and time.perf_counter() + median(times) < deadline:
             times.append(timed(fn, device))
-        if where == "fresh process":
+        if own_process:
             fresh_pages()
         peak, method, _ = peak_memory(fn, device)
     except torch.OutOfMemoryError as e:
@@ -232,7 +232,7 @@ def run_case(spec: Spec, op: Op | None = None, where: str = "in-process") -> dic
         "time_min_s": min(times),
         "repeats": len(times),
         "peak_bytes": peak,
-        "mem_method": f"{method}, {where}",
+        "mem_method": f"{method}, {'fresh process' if own_process else 'in-process'}",
         **info,
     }
 
@@ -255,7 +255,7 @@ def fresh_pages() -> None:
 
 def _child(spec: Spec, conn) -> None:
     try:
-        conn.send(run_case(spec, where="fresh process"))
+        conn.send(run_case(spec, own_process=True))
     finally:
         conn.close()
 
