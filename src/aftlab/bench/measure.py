@@ -25,6 +25,7 @@ from ..testing import assert_close, decode, max_error
 from .cases import Op, Shape, Spec, cases, prepare
 
 SLOW_CALL_S = 1.0  # a first call slower than this is all the warm-up
+MIN_CALLS = 3  # the fewest calls of a case: a warm-up, one timed call, the memory call
 
 
 class Gate(NamedTuple):

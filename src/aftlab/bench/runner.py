@@ -20,7 +20,7 @@ from .._system import available_memory, machine_info
 from . import rwkv4_peers
 from .cases import MATMUL, MODES, PEERS, Op, Shape, Spec
 from .cases import cases as all_cases
-from .measure import check, execute, gate_shape, measure_limits
+from .measure import MIN_CALLS, check, execute, gate_shape, measure_limits
 from .report import ROW_FIELDS, cell, ratios, state_table, target_table, write_report
 from .states import state_sizes
 
@@ -275,11 +275,12 @@ class _Run:
     def over_limits(self, spec: Spec, row: dict, last: tuple[float, int] | None) -> str:
         """Why ``spec`` is not run (the total time, its memory, its time budget), or ``""``.
 
-        Every case is at least linear in ``T``: from ``t0`` per call at ``T0``, 2 calls need at
-        least ``2 t0 T / T0``, and a decoding state at least ``(T - T0) t0``."""
+        A case makes at least :data:`MIN_CALLS` calls (a warm-up, a timed call, the memory call),
+        and every case is at least linear in ``T``: from ``t0`` per call at ``T0`` they need at
+        least ``MIN_CALLS t0 T / T0``, and a decoding state at least ``(T - T0) t0``."""
         budget, minutes = self.cfg.max_seconds_per_case, self.cfg.max_total_minutes
         floor, T, (t0, T0) = row["floor_s"] or 0.0, spec.shape.T, last or (0.0, 1)
-        t = (T - T0) * t0 if spec.mode == "decode" else 2 * t0 * T / T0
+        t = (T - T0) * t0 if spec.mode == "decode" else MIN_CALLS * t0 * T / T0
         if minutes and time.perf_counter() - self.t0 > 60 * minutes:
             return f"the run reached --max-total-minutes {minutes:g} before this case"
         if (row["est_peak_bytes"] or 0) > self.mem_limit:
@@ -287,11 +288,15 @@ class _Run:
                 f"estimated peak {row['est_peak_bytes'] / 2**30:.2f} GiB exceeds the "
                 f"memory limit {self.mem_limit / 2**30:.2f} GiB"
             )
-        if 2 * floor > budget:
-            return f"2 calls at the floor ({floor:.2f} s each) exceed the {budget:g} s budget"
-        if t > budget:
+        if MIN_CALLS * floor > budget:
             return (
-                f"{'building the state' if spec.mode == 'decode' else '2 calls'} would take >= "
+                f"{MIN_CALLS} calls at the floor ({floor:.2f} s each) exceed the {budget:g} s "
+                "budget"
+            )
+        if t > budget:
+            calls = f"{MIN_CALLS} calls"
+            return (
+                f"{'building the state' if spec.mode == 'decode' else calls} would take >= "
                 f"{t:.0f} s (at least linear from {t0 * 1e3:.3g} ms at T={T0}), over the "
                 f"{budget:g} s budget"
             )
