@@ -170,6 +170,20 @@ Task task_of(const Geo& geo, int64_t i) {
   return tk;
 }
 
+// One task's view of the problem: the offsets of its key and value channels at position t, its
+// padding, and the index of w[tb(t), g, j] (and of dw). Forward and Backward build on it.
+struct View {
+  const Geo& geo;
+  const Task tk;
+  const bool* Mk;
+  int64_t kx(int64_t t) const { return (tk.b * geo.T + t) * geo.DK + tk.k0; }
+  int64_t vx(int64_t t) const { return (tk.b * geo.T + t) * geo.D + tk.c0; }
+  bool valid(int64_t t) const { return Mk == nullptr || Mk[tk.b * geo.T + t]; }
+  int64_t wi(int64_t t, int64_t j) const {
+    return ((geo.Tb == 1 ? 0 : t) * geo.G + tk.g) * geo.W + j;
+  }
+};
+
 // Fold key row k (value row v, summed times sc) into the stable state (m, s, n): with
 // e = exp(-|k - m|), either k is the new maximum (old sums scale by e, new weight 1) or not (old
 // sums kept, weight e).
@@ -383,10 +397,8 @@ struct FwdArgs {
 // one pass over queries: advance (prefix and ring), gather (the band keys), and the row by
 // group_row (one key per group), fact_row (the factorised path) or exact_row.
 template <typename T, bool BC>
-struct Forward {
+struct Forward : View {
   const FwdArgs<T>& io;
-  const Geo& geo;
-  const Task tk;
   const int64_t Tn, lo, hi, nk, cn, R, RS;
   const T sc, unsc;
   // the exact stable state (m, s, n) of the prefix (or, in suffix_pass, the suffix); scratch
@@ -408,16 +420,12 @@ struct Forward {
   int64_t nr = 0;
 
   Forward(const FwdArgs<T>& io_, const Geo& g, int64_t i)
-      : io(io_), geo(g), tk(task_of<BC>(g, i)), Tn(g.T), lo(g.lo), hi(g.hi), nk(tk.nk),
+      : View{g, task_of<BC>(g, i), io_.Mk}, io(io_), Tn(g.T), lo(g.lo), hi(g.hi), nk(tk.nk),
         cn(tk.cn), R(std::max<int64_t>(1, std::min(g.W, g.T))),
         RS(tk.nk + 64 / static_cast<int64_t>(sizeof(T))), sc(value_scale<T>(g.T)),
         unsc(T(1) / sc), m(nk), M(nk), s(nk), a(nk), w(nk), den(nk), n(cn), num(cn),
         vm(cn, T(0)), bsh(BC ? 0 : nk, NEG_INF), ek(BC ? 0 : R * RS), ekv(BC ? 0 : R * RS),
         sf(BC ? 0 : nk, T(0)), nf(BC ? 0 : cn, T(0)), rows(R), slots(R), wv(R), z(R), e(R) {}
-
-  int64_t kx(int64_t t) const { return (tk.b * Tn + t) * geo.DK + tk.k0; }
-  int64_t vx(int64_t t) const { return (tk.b * Tn + t) * geo.D + tk.c0; }
-  bool valid(int64_t t) const { return io.Mk == nullptr || io.Mk[tk.b * Tn + t]; }
 
   void reset() {
     std::fill(m.begin(), m.end(), NEG_INF);
@@ -505,7 +513,7 @@ struct Forward {
 
   // The valid band keys of query t (rows) and their biases (wv).
   void gather(int64_t t) {
-    const double* wr = io.Wb + ((geo.Tb == 1 ? 0 : t) * geo.G + tk.g) * geo.W;
+    const double* wr = io.Wb + wi(t, 0);
     nr = 0;
     for (int64_t u = std::max<int64_t>(0, t - lo); u <= std::min(Tn - 1, t + hi); ++u) {
       if (!valid(u)) continue;
@@ -719,10 +727,8 @@ struct BwdArgs {
 // the band's queries in a ring; with one key per group it does the band too), then, with a key
 // per channel, the band by blocks (Blocks).
 template <typename T, bool BC>
-struct Backward {
+struct Backward : View {
   const BwdArgs<T>& io;
-  const Geo& geo;
-  const Task tk;
   const int64_t Tn, lo, hi, nk, cn, R;  // R: ring rows, the band's queries
   double* dwp;
   // query-side scan state: max of -M_t, sums of dO_t / den_t and E_t / den_t
@@ -734,17 +740,11 @@ struct Backward {
   std::vector<char> rA;
 
   Backward(const BwdArgs<T>& io_, const Geo& g, int64_t i)
-      : io(io_), geo(g), tk(task_of<BC>(g, i)), Tn(g.T), lo(g.lo), hi(g.hi), nk(tk.nk),
+      : View{g, task_of<BC>(g, i), io_.Mk}, io(io_), Tn(g.T), lo(g.lo), hi(g.hi), nk(tk.nk),
         cn(tk.cn), R(std::max<int64_t>(1, std::min(g.W, g.T))),
         dwp(io_.DWP + i * g.Tb * g.G * g.W), mq(nk), se(nk), a(nk), w(nk), f(nk), acck(nk),
         sdo(cn), accv(cn), rdo(R * cn), rE(R * nk), rI(R * nk), rL(R * nk), rM(R * nk), rA(R) {}
 
-  int64_t kx(int64_t t) const { return (tk.b * Tn + t) * geo.DK + tk.k0; }
-  int64_t vx(int64_t t) const { return (tk.b * Tn + t) * geo.D + tk.c0; }
-  bool valid(int64_t t) const { return io.Mk == nullptr || io.Mk[tk.b * Tn + t]; }
-  int64_t wi(int64_t t, int64_t j) const {  // index of w[tb(t), g, j] (and of dw)
-    return ((geo.Tb == 1 ? 0 : t) * geo.G + tk.g) * geo.W + j;
-  }
 
   void reset() {
     std::fill(mq.begin(), mq.end(), NEG_INF);
