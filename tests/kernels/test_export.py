@@ -44,8 +44,8 @@ class _Op(torch.nn.Module):
         return self.fn(q, k, v)
 
 
-#: the Triton op each case's C++ op stands for (the band's core takes aft-full too)
-TRITON = {"band": "triton_band_core", "full": "triton_band_core"}
+#: the Triton op each case's C++ op stands for
+TRITON = {"band": "triton_band_core", "full": "triton_full_core"}
 
 
 @pytest.mark.parametrize("backend", ["cpp", "triton"])

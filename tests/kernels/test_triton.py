@@ -220,3 +220,58 @@ def test_band_and_scan_states_carry_values_and_gradients(op):
     assert_close("y", chunked, whole)
     for i, (a, e) in enumerate(zip(grads_c, grads, strict=True)):
         assert_close(f"grad {i}", a, e)
+
+
+def _full_exact(k, v, w, causal):
+    """The exact-row mask ``(B, T, D)`` of ``aftlab::triton_full_core``."""
+    return torch.ops.aftlab.triton_full_core(k, v, w, causal)[2]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_full_left_padding_stays_on_the_products(causal):
+    """Padded keys (``-inf``) before the first real one neither make rows exact (the shift of a
+    block without a key is 0) nor change the values: against the float64 reference."""
+    from aftlab.kernels.triton.full import blocks
+    from aftlab.ops import aft_full
+    from aftlab.ops.aft_full import aft_full_reference
+
+    B, T, d = 2, 90, 3
+    bm = blocks(T, d, torch.device(DEVICE))[0]
+    q, k, v = (torch.randn(B, T, d, dtype=F64, device=DEVICE) for _ in range(3))
+    w = torch.randn(T, T, dtype=F64, device=DEVICE)
+    pm = torch.ones(B, T, dtype=torch.bool, device=DEVICE)
+    pm[0, : bm + 5] = False  # a whole block of padding, and more
+    kp = k.masked_fill(~pm[:, :, None], float("-inf"))
+    assert not _full_exact(kp, v.masked_fill(~pm[:, :, None], 0.0), w, causal).any()
+    with kernels.use_kernels("triton"):
+        y = aft_full(q, k, v, w, causal=causal, padding_mask=pm)
+    assert_close("y", y, aft_full_reference(q, k, v, w, causal=causal, padding_mask=pm))
+
+
+def test_full_key_far_above_its_blocks_shift_makes_its_rows_exact():
+    """Causal: a key more than ``MARGIN`` above its block's shift is left out of the products;
+    the rows that see it (it and later, that channel) are exact, the rows before it are not, and
+    every value and gradient matches the float64 reference."""
+    from aftlab.kernels.triton.full import MARGIN, blocks
+    from aftlab.ops import aft_full
+    from aftlab.ops.aft_full import aft_full_reference
+
+    B, T, d = 1, 90, 4
+    bm = blocks(T, d, torch.device(DEVICE))[0]
+    p = bm + 5  # inside the second block, after its start
+    q, k, v = (torch.randn(B, T, d, dtype=F64, device=DEVICE) for _ in range(3))
+    w = torch.randn(T, T, dtype=F64, device=DEVICE)
+    k[0, p, 1] = k[0, : bm + 1, 1].max() + MARGIN + 10
+    exact = _full_exact(k, v, w, True)
+    assert exact[0, p:, 1].all() and not exact[0, :p, 1].any()
+    assert not exact[..., [0, 2, 3]].any()
+    xs = [x.clone().requires_grad_() for x in (q, k, v, w)]
+    rs = [x.clone().requires_grad_() for x in (q, k, v, w)]
+    with kernels.use_kernels("triton"):
+        y = aft_full(*xs, causal=True)
+    yr = aft_full_reference(*rs, causal=True)
+    assert_close("y", y, yr)
+    g = torch.randn_like(yr)
+    grads, ref = torch.autograd.grad(y, xs, g), torch.autograd.grad(yr, rs, g)
+    for name, a, e in zip("qkvw", grads, ref, strict=True):
+        assert_close(f"d{name}", a, e)

@@ -98,11 +98,12 @@ def test_gradcheck(causal, impl):
 
 def _exact_rows(impl, monkeypatch, q, k, v, w, causal):
     """Rows (b, t) the op computes on its exact path (the factorised denominator underflowed):
-    the kernel reports them (its output ``fb``), the PyTorch op's rescue is counted. None for
-    the Triton kernels: they form every term on its own (no factorised products), so they have
-    no such path."""
+    the kernels report them (the C++ op's output ``fb``, the Triton op's ``exact`` per channel),
+    the PyTorch op's rescue is counted."""
     if impl == "triton":
-        return None
+        T = q.shape[1]
+        exact = torch.ops.aftlab.triton_full_core(k, v, w[:T, :T], causal)[2]
+        return int(exact.any(-1).sum())
     if impl == "cpp":
         T = q.shape[1]
         fb = torch.ops.aftlab.full(q, k, v, w[:T, :T], None, causal, 256, False)[3]
@@ -122,7 +123,7 @@ def test_gradcheck_exact_rescue_path(causal, monkeypatch, impl):
     k[0, 0] += 800.0  # key 0 is the largest ...
     w[:, 0] -= 800.0  # ... but every query's bias kills it
     rows = _exact_rows(impl, monkeypatch, q, k, v, w, causal)
-    assert rows is None or rows, "the exact path was not taken"
+    assert rows, "the exact path was not taken"
     xs = [x.requires_grad_() for x in (q, k, v, w)]
     assert torch.autograd.gradcheck(
         lambda *a: aft_full(*a, causal=causal), xs, fast_mode=impl == "triton"
@@ -131,7 +132,7 @@ def test_gradcheck_exact_rescue_path(causal, monkeypatch, impl):
 
 def test_typical_inputs_take_the_fast_path(monkeypatch, impl):
     q, k, v, w = _inputs(2, 64, 8, scale=3.0, dtype=torch.float32)
-    assert _exact_rows(impl, monkeypatch, q, k, v, w, True) in (None, 0)
+    assert _exact_rows(impl, monkeypatch, q, k, v, w, True) == 0
     assert torch.isfinite(aft_full(q, k, v, w, causal=True)).all()
 
 
@@ -153,7 +154,7 @@ def test_compiled_exact_rescue_matches_reference(causal, monkeypatch, impl):
     q, k, v, w = _inputs(2, 33, 5, scale=1e4, wscale=1e4)
     k, w = k.round(), w.round()
     rows = _exact_rows(impl, monkeypatch, q, k, v, w, causal)
-    assert rows is None or rows, "the exact path was not taken"
+    assert rows, "the exact path was not taken"
     torch._dynamo.reset()
     compiled = torch.compile(aft_full, fullgraph=True, backend="aot_eager")
     _check_against_reference([q, k, v, w], causal=causal, op=compiled)

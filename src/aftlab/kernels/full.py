@@ -52,10 +52,10 @@ def register() -> None:
 
 def aft_full(q, k, v, w, *, causal: bool, padding_mask, block: int, backend: str = "cpp"):
     """Kernel of :func:`aftlab.ops.aft_full` (inputs already validated, ``T >= 1``); ``block``:
-    query rows per causal block (C++). ``backend="triton"``: the band kernels over the whole
-    sequence (:func:`aftlab.kernels.triton.band.full`)."""
+    query rows per causal block (C++). ``backend="triton"``: the Triton kernels' factorised
+    products (:func:`aftlab.kernels.triton.full.full`)."""
     if backend == "triton":
-        from .triton.band import full
+        from .triton.full import full
 
         return full(q, k, v, w, bool(causal), padding_mask)
     out_dtype = q.dtype

@@ -23,7 +23,8 @@ the average ``A`` of its keys from :func:`aftlab.ops.scan.stable_prefix_average`
   (padded keys are ``-inf``: they weigh 0) and the broadcast of aft-conv's one key channel per
   head are PyTorch around the op, differentiated by autograd (the prefix average has its own
   custom op).
-* aft-full (:func:`full`) is the band of the whole sequence, ``lo = hi = T - 1``.
+* aft-full's exact rows are the band of the whole sequence, ``lo = hi = T - 1``
+  (:mod:`aftlab.kernels.triton.full`).
 
 Work ``O(B T d (lo + hi + 1))`` exponentials; no ``(T, T)`` tensor.
 """
@@ -319,7 +320,7 @@ def band(q, k, v, w, lo: int, hi: int, causal: bool, padding_mask):
     # The prefix and suffix sums in float64, as the band's exponents: their log-sums reach
     # keys of any size (near 1e4, a float32 log-sum is 1e-3 off).
     k64, v64 = k.double(), v.double()
-    s = lo + 1  # the prefix of query t: keys t' <= t - s (none when s >= T: aft-full)
+    s = lo + 1  # the prefix of query t: keys t' <= t - s (none when s >= T)
     if s < T:
         L, A = _stable_prefix_average(k64, v64)
         A = A.to(cdt)
@@ -337,15 +338,3 @@ def band(q, k, v, w, lo: int, hi: int, causal: bool, padding_mask):
     y, _ = torch.ops.aftlab.triton_band_core(k, v, w, lp, ap, ls, a_s, lo, hi)
     return (torch.sigmoid(q) * y).to(out_dtype)
 
-
-def full(q, k, v, w, causal: bool, padding_mask):
-    """aft-full on the band kernels: the band of every key, ``lo = T - 1``, ``hi = T - 1`` (0
-    causal), with ``w[:T, :T]`` laid out as band rows ``w_band[t, j] = w[t, t - T + 1 + j]``
-    (the entries outside ``0 <= t' < T`` are never read). ``O(B T^2 d)`` exponentials: exact
-    per term, no factorised products (docs/kernels.md, "Triton kernels")."""
-    T = q.shape[1]
-    lo, hi = T - 1, (0 if causal else T - 1)
-    t = torch.arange(T, device=q.device)[:, None]
-    idx = (t - lo + torch.arange(lo + hi + 1, device=q.device)[None, :]).clamp(0, T - 1)
-    w_band = torch.gather(w[:T, :T], 1, idx)
-    return band(q, k, v, w_band[:, None, :], lo, hi, causal, padding_mask)
