@@ -44,8 +44,10 @@ class _Op(torch.nn.Module):
         return self.fn(q, k, v)
 
 
-#: the Triton op each case's C++ op stands for
-TRITON = {"band": "triton_band_core", "full": "triton_full_core"}
+#: the Triton op each case stands for where it is not ``triton_<the C++ op>``: aft-local's band
+#: (one bias row for all channels) on the products, aft-conv's (a kernel per head) on the terms
+TRITON = {"aft_local causal": "triton_band_dot", "aft_conv": "triton_band_core",
+          "aft_full causal": "triton_full_core"}
 
 
 @pytest.mark.parametrize("backend", ["cpp", "triton"])
@@ -57,7 +59,7 @@ def test_export_calls_the_kernel_and_equals_eager(name, backend):
         pytest.skip(f"Triton kernels unavailable: {kernels.triton.error()}")
     fn, op = CASES[name]
     if backend == "triton":
-        op = TRITON.get(op, f"triton_{op}")
+        op = TRITON.get(name, f"triton_{op}")
     q, k, v = (torch.randn(B, T, d) for _ in range(3))
     with kernels.use_kernels(True if backend == "cpp" else "triton"):
         program = torch.export.export(_Op(fn), (q, k, v))

@@ -92,7 +92,7 @@ def test_forcing_triton_runs_its_ops(monkeypatch):
         w = torch.randn(13, 13, dtype=F64, device=DEVICE, requires_grad=True)
         y = aft_local(q, k, v, w, 3)
         (g,) = torch.autograd.grad(y.sum(), w)
-        assert _has_node(y.grad_fn, "triton_band_core") and g.abs().sum() > 0
+        assert _has_node(y.grad_fn, "triton_band_dot") and g.abs().sum() > 0
     with pytest.raises(ValueError, match="'triton'"):
         with kernels.use_kernels("tritn"):
             pass
@@ -270,6 +270,76 @@ def test_full_key_far_above_its_blocks_shift_makes_its_rows_exact():
     with kernels.use_kernels("triton"):
         y = aft_full(*xs, causal=True)
     yr = aft_full_reference(*rs, causal=True)
+    assert_close("y", y, yr)
+    g = torch.randn_like(yr)
+    grads, ref = torch.autograd.grad(y, xs, g), torch.autograd.grad(yr, rs, g)
+    for name, a, e in zip("qkvw", grads, ref, strict=True):
+        assert_close(f"d{name}", a, e)
+
+
+def _band_dot_exact(k, v, w_band, s):
+    """The exact-row mask ``(B, T, D)`` of ``aftlab::triton_band_dot`` for causal aft-local
+    (no prefix before position ``s``: ``lp`` from the prefix average as the op builds it)."""
+    from aftlab.ops.scan import stable_prefix_average
+
+    B, T, D = k.shape
+    L, A = stable_prefix_average(k, v)
+    lp = torch.cat([L.new_full((B, s, D), float("-inf")), L[:, : T - s]], 1)
+    ap = torch.cat([A.new_zeros(B, s, D), A[:, : T - s]], 1)
+    return torch.ops.aftlab.triton_band_dot(k, v, w_band[:, None, :], lp, ap, None, None,
+                                            s - 1, 0)[2]
+
+
+def test_band_dot_key_far_above_its_blocks_shift_makes_only_its_blocks_rows_exact():
+    """Causal aft-local: a key more than ``MARGIN`` above its query block's shift (the largest
+    key the block's first query sees) makes the rows of its own block from it on exact; the next
+    block's shift includes it, so its rows stay on the products. Values and gradients against
+    the float64 reference."""
+    from aftlab.kernels.triton.full import MARGIN, blocks
+    from aftlab.ops.aft_local import aft_local_reference
+
+    B, T, d, s = 1, 90, 4, 8
+    bm = blocks(T, d, torch.device(DEVICE))[0]
+    p = bm - 3  # late in the first block, within the next block's first band
+    q, k, v = (torch.randn(B, T, d, dtype=F64, device=DEVICE) for _ in range(3))
+    w = torch.randn(T, T, dtype=F64, device=DEVICE)
+    k[0, p, 2] = MARGIN + 20
+    t = torch.arange(T)[:, None]
+    w_band = w[t, (t - s + 1 + torch.arange(s)).clamp(min=0)]  # aft_local's band rows
+    exact = _band_dot_exact(k, v, w_band, s)
+    assert exact[0, p:bm, 2].all() and not exact[0, :p, 2].any() and not exact[0, bm:].any()
+    assert not exact[..., [0, 1, 3]].any()
+    xs = [x.clone().requires_grad_() for x in (q, k, v, w)]
+    rs = [x.clone().requires_grad_() for x in (q, k, v, w)]
+    with kernels.use_kernels("triton"):
+        y = aft_local(*xs, s, causal=True)
+        assert _has_node(y.grad_fn, "triton_band_dot")
+    yr = aft_local_reference(*rs, s, causal=True)
+    assert_close("y", y, yr)
+    g = torch.randn_like(yr)
+    grads, ref = torch.autograd.grad(y, xs, g), torch.autograd.grad(yr, rs, g)
+    for name, a, e in zip("qkvw", grads, ref, strict=True):
+        assert_close(f"d{name}", a, e)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_band_dot_one_row_for_every_query(causal):
+    """aft-conv with one head is the band with one bias row for all queries (``w (1, 1, s)``):
+    the products, their ``dw`` summed over the queries' diagonals, against the reference."""
+    from aftlab.ops.aft_conv import aft_conv_reference
+
+    B, T, c, s = 2, 41, 5, 7
+    q, v = (torch.randn(B, T, 1, c, dtype=F64, device=DEVICE) for _ in range(2))
+    k = torch.randn(B, T, 1, 1, dtype=F64, device=DEVICE)
+    w = torch.randn(1, s, dtype=F64, device=DEVICE)
+    pm = torch.ones(B, T, dtype=torch.bool, device=DEVICE)
+    pm[1, :9] = False
+    xs = [x.clone().requires_grad_() for x in (q, k, v, w)]
+    rs = [x.clone().requires_grad_() for x in (q, k, v, w)]
+    with kernels.use_kernels("triton"):
+        y = aft_conv(*xs, causal=causal, padding_mask=pm)
+        assert _has_node(y.grad_fn, "triton_band_dot")
+    yr = aft_conv_reference(*rs, causal=causal, padding_mask=pm)
     assert_close("y", y, yr)
     g = torch.randn_like(yr)
     grads, ref = torch.autograd.grad(y, xs, g), torch.autograd.grad(yr, rs, g)

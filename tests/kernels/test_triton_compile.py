@@ -65,7 +65,7 @@ def _record_launches(monkeypatch):
     from aftlab.ops import aft_conv, aft_decay, aft_full, aft_local, aft_simple
 
     cuda = torch.device("cuda")
-    for module, name in ((scan, "block"), (band, "_blocks"), (full, "blocks"), (full, "_ieee")):
+    for module, name in ((scan, "block"), (band, "_blocks"), (full, "blocks"), (full, "ieee")):
         choose = getattr(module, name)  # the launchers' choice for a CUDA tensor
         monkeypatch.setattr(module, name, lambda *a, choose=choose: choose(*a[:-1], cuda))
     launches = []
@@ -100,6 +100,9 @@ def _record_launches(monkeypatch):
                     outs.append(aft_full(q, k, v, w, causal=causal, padding_mask=mask))
                     qh, vh = q.view(B, T, 2, d // 2), v.view(B, T, 2, d // 2)
                     outs.append(aft_conv(qh, kc, vh, wc, causal=causal, padding_mask=mask))
+                    # one head: one bias row for all queries, on the products
+                    q1, k1, v1 = q[:, :, None], kc[:, :, :1], v[:, :, None]
+                    outs.append(aft_conv(q1, k1, v1, wc[:1], causal=causal, padding_mask=mask))
                 outs.append(aft_decay(q, k, v, lam, u, padding_mask=mask))
             torch.autograd.grad(sum(o.sum() for o in outs), (q, k, v, w, wc, kc))
             with torch.no_grad():  # the inference kernels: states
@@ -132,7 +135,7 @@ _COMPILE = textwrap.dedent(
                                target=GPUTarget("cuda", 90, 32))
             assert k.asm.get("cubin"), "no cubin"
         except Exception as e:
-            failed.append(f"{job['name']} {consts}: {type(e).__name__}: {str(e)[:400]}")
+            failed.append(f"{job['name']} {consts}: {type(e).__name__}: ...{str(e)[-600:]}")
     print(json.dumps(failed))
     """
 )

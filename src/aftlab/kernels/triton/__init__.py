@@ -60,10 +60,10 @@ def load() -> bool:
                 return False
             try:
                 from .. import scan as callers
-                from . import band, full, scan
+                from . import band, band_dot, full, scan
 
                 lib = torch.library.Library("aftlab", "FRAGMENT")
-                for module in (scan, band, full):
+                for module in (scan, band, band_dot, full):
                     for name, schema in module.SCHEMAS.items():
                         lib.define(f"triton_{name}{schema}")
                         for key in ("CPU", "CUDA"):
@@ -71,6 +71,7 @@ def load() -> bool:
                 _lib = lib
                 callers.register("triton")
                 band.register()
+                band_dot.register()
                 full.register()
             except Exception as e:  # a triton that does not fit this torch, ...
                 _error = f"the Triton kernels failed to load ({type(e).__name__}: {e})"[:300]

@@ -23,8 +23,10 @@ the average ``A`` of its keys from :func:`aftlab.ops.scan.stable_prefix_average`
   (padded keys are ``-inf``: they weigh 0) and the broadcast of aft-conv's one key channel per
   head are PyTorch around the op, differentiated by autograd (the prefix average has its own
   custom op).
-* aft-full's exact rows are the band of the whole sequence, ``lo = hi = T - 1``
-  (:mod:`aftlab.kernels.triton.full`).
+* :func:`band` runs them for aft-conv's heads (a kernel per head); with one bias row for all
+  channels (aft-local, aft-conv with one head) it runs the products of :mod:`.band_dot`, whose
+  exact rows come back here, as aft-full's (:mod:`.full`: the band of the whole sequence,
+  ``lo = hi = T - 1``).
 
 Work ``O(B T d (lo + hi + 1))`` exponentials; no ``(T, T)`` tensor.
 """
@@ -335,6 +337,9 @@ def band(q, k, v, w, lo: int, hi: int, causal: bool, padding_mask):
         A = A.to(cdt)
         ls = torch.cat([L[:, r:], L.new_full((B, r, D), float("-inf"))], 1)
         a_s = torch.cat([A[:, r:], A.new_zeros(B, r, D)], 1)
-    y, _ = torch.ops.aftlab.triton_band_core(k, v, w, lp, ap, ls, a_s, lo, hi)
+    if w.shape[1] == 1:  # one bias row for every channel: the products (band_dot.py)
+        y = torch.ops.aftlab.triton_band_dot(k, v, w, lp, ap, ls, a_s, lo, hi)[0]
+    else:  # a kernel per head (aft-conv): the terms
+        y, _ = torch.ops.aftlab.triton_band_core(k, v, w, lp, ap, ls, a_s, lo, hi)
     return (torch.sigmoid(q) * y).to(out_dtype)
 

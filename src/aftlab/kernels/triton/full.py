@@ -66,7 +66,7 @@ SCHEMAS = {
 MARGIN = 44.0
 
 
-def _limits(dtype: torch.dtype, T: int) -> tuple[float, float]:
+def limits(dtype: torch.dtype, T: int) -> tuple[float, float]:
     """``(vbig, den threshold)``: values up to ``vbig`` keep ``num`` finite; a ``den`` below the
     threshold is an exact row."""
     fi = torch.finfo(dtype)
@@ -87,23 +87,31 @@ def _weights(W, A_ROW, t, tk, T, CAUSAL: tl.constexpr):
 
 
 @triton.jit
+def factors(k, v, sh, ok, vbig, margin):
+    """``(E^K, E^K v)`` of key and value tiles under the per-channel shift ``sh``: 0 where not
+    ``ok`` (a padded key is ``-inf``) and for an unsafe key (above the shift by more than the
+    margin, NaN, a value beyond ``vbig`` or not finite)."""
+    ek = k - sh[None, :]
+    safe = ok & (ek <= margin) & (tl.abs(v) <= vbig)
+    e = tl.where(safe, tl.exp(tl.minimum(ek, margin)), 0.0)
+    return e, e * tl.where(safe, v, 0.0)
+
+
+@triton.jit
 def _key_factors(K, V, BSH, bo, tk, c, T, D, vbig, margin):
-    """``(E^K, E^K v)`` of keys ``tk`` x channels ``c`` under the shift at ``BSH + bo``: 0 for
-    an unsafe key (above the shift by more than the margin, NaN, a value beyond ``vbig``) and a
-    padded one (``-inf``)."""
+    """:func:`factors` of keys ``tk`` x channels ``c`` under the shift at ``BSH + bo``, and the
+    values."""
     ok = (tk[:, None] < T) & (c[None, :] < D)
     o = tk[:, None] * D + c[None, :]
     k = tl.load(K + o, mask=ok, other=float("-inf"))
     v = tl.load(V + o, mask=ok, other=0.0)
     sh = tl.load(BSH + bo + c, mask=c < D, other=0.0)
-    ek = k - sh[None, :]
-    safe = ok & (ek <= margin) & (tl.abs(v) <= vbig)
-    e = tl.where(safe, tl.exp(tl.minimum(ek, margin)), 0.0)
-    return e, e * tl.where(safe, v, 0.0), v
+    e, ev = factors(k, v, sh, ok, vbig, margin)
+    return e, ev, v
 
 
 @triton.jit
-def _mm(a, b, acc, IEEE: tl.constexpr):
+def mm(a, b, acc, IEEE: tl.constexpr):
     """``acc + a @ b`` in ``acc``'s dtype (a float64 product stays float64); float32 in full
     precision on a GPU (``IEEE``)."""
     if IEEE:
@@ -130,8 +138,8 @@ def _full_fwd(K, V, W, A_ROW, BSH, Y, DEN, T, D, NBS, vbig, margin, CAUSAL: tl.c
         tk = j0 + tl.arange(0, BN)
         ew = _weights(W, A_ROW, t, tk, T, CAUSAL).to(dt)
         e, ev, _ = _key_factors(K + b * T * D, V + b * T * D, BSH, bo, tk, c, T, D, vbig, margin)
-        num = _mm(ew, ev, num, IEEE)
-        den = _mm(ew, e, den, IEEE)
+        num = mm(ew, ev, num, IEEE)
+        den = mm(ew, e, den, IEEE)
     o = (b * T + t[:, None]) * D + c[None, :]
     ok = (t[:, None] < T) & (c[None, :] < D)
     tl.store(Y + o, num / tl.where(den > 0, den, 1.0), mask=ok)
@@ -161,8 +169,8 @@ def _full_bwd_kv(K, V, W, A_ROW, BSH, R, S, DK, DV, T, D, NBS, NQ, vbig, margin,
         s = tl.load(S + o, mask=okq, other=0.0)
         bo = (b * NBS + (i if CAUSAL else 0)) * D
         e, _, v = _key_factors(K + b * T * D, V + b * T * D, BSH, bo, tk, c, T, D, vbig, margin)
-        er = _mm(tl.trans(ew), r, tl.zeros([BN, BD], dt), IEEE)
-        es = _mm(tl.trans(ew), s, tl.zeros([BN, BD], dt), IEEE)
+        er = mm(tl.trans(ew), r, tl.zeros([BN, BD], dt), IEEE)
+        es = mm(tl.trans(ew), s, tl.zeros([BN, BD], dt), IEEE)
         dv += tl.where(e > 0, e * er, 0.0)
         dk += tl.where(e > 0, e * (v * er - es), 0.0)
     o = (b * T + tk[:, None]) * D + c[None, :]
@@ -193,8 +201,8 @@ def _full_bwd_w(K, V, W, A_ROW, BSH, R, S, DW, B, T, D, NBS, vbig, margin, CAUSA
             s = tl.load(S + o, mask=okq, other=0.0)
             e, ev, _ = _key_factors(K + b * T * D, V + b * T * D, BSH, bo, tk, c, T, D,
                                     vbig, margin)
-            acc = _mm(r, tl.trans(ev), acc, IEEE)
-            acc = _mm(-s, tl.trans(e), acc, IEEE)
+            acc = mm(r, tl.trans(ev), acc, IEEE)
+            acc = mm(-s, tl.trans(e), acc, IEEE)
     ew = _weights(W, A_ROW, t, tk, T, CAUSAL).to(dt)
     ok = (t[:, None] < T) & (tk[None, :] < T)
     tl.store(DW + t[:, None] * T + tk[None, :], tl.where(ew > 0, ew * acc, 0.0), mask=ok)
@@ -252,8 +260,10 @@ def _band_args(k, w, causal: bool):
     return wb, lp, torch.zeros_like(k), lo, hi, idx
 
 
-def _ieee(device) -> bool:
-    return device.type == "cuda"  # the interpreter's products are numpy's, in the dtype
+def ieee(device) -> bool:
+    """``input_precision="ieee"`` for float32 products: on a GPU (the interpreter's products are
+    numpy's, in the dtype)."""
+    return device.type == "cuda"
 
 
 def full_core(k, v, w, causal):
@@ -266,10 +276,10 @@ def full_core(k, v, w, causal):
     y, den = torch.empty_like(k), torch.empty_like(k)
     if not k.numel():
         return y, den, torch.zeros_like(k, dtype=torch.bool), a, b
-    vbig, thr = _limits(k.dtype, T)
+    vbig, thr = limits(k.dtype, T)
     grid = (B, triton.cdiv(T, bm), triton.cdiv(D, bd))
     _full_fwd[grid](k, v, w, a, b, y, den, T, D, b.shape[1], vbig, MARGIN, CAUSAL=causal,
-                    IEEE=_ieee(k.device), BM=bm, BN=bn, BD=bd)
+                    IEEE=ieee(k.device), BM=bm, BN=bn, BD=bd)
     exact = _exact_rows(k, v, a, b, den, causal, bm, vbig, thr)
     inv = torch.where(exact | (den == 0), 0.0, 1.0 / den)
     y = torch.where(den == 0, 0.0, y)  # a row that sees no key: 0
@@ -288,16 +298,16 @@ def full_core_backward(gy, k, v, w, y, inv, exact, a, b, causal):
     if not k.numel():
         return dk, dv, dw
     bm, bn, bd = blocks(T, D, k.device)
-    vbig, _ = _limits(k.dtype, T)
+    vbig, _ = limits(k.dtype, T)
     r = torch.where(exact | (gy == 0) | (inv == 0), 0.0, gy * inv)
     s = torch.where(r == 0, 0.0, r * y)
     nq = triton.cdiv(T, bm)
-    ieee = _ieee(k.device)
+    exact_mm = ieee(k.device)
     _full_bwd_kv[(B, triton.cdiv(T, bn), triton.cdiv(D, bd))](
         k, v, w, a, b, r, s, dk, dv, T, D, b.shape[1], nq, vbig, MARGIN, CAUSAL=causal,
-        IEEE=ieee, BM=bm, BN=bn, BD=bd)
+        IEEE=exact_mm, BM=bm, BN=bn, BD=bd)
     _full_bwd_w[(nq, triton.cdiv(T, bn))](
-        k, v, w, a, b, r, s, dw, B, T, D, b.shape[1], vbig, MARGIN, CAUSAL=causal, IEEE=ieee,
+        k, v, w, a, b, r, s, dw, B, T, D, b.shape[1], vbig, MARGIN, CAUSAL=causal, IEEE=exact_mm,
         BM=bm, BN=bn, BD=bd)
     ge = torch.where(exact, gy, 0.0)
     if bool((ge != 0).any()):  # the exact rows' gradients from the band kernel's terms
