@@ -21,11 +21,12 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 "$PY" -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"; print(torch.cuda.get_device_name())' \
     || exit 1
-timeout 150 "$PY" -m pytest -q -p no:cacheprovider -k triton \
+timeout 180 "$PY" -m pytest -q -p no:cacheprovider -k triton \
     tests/kernels/test_triton.py tests/ops/test_aft_simple.py tests/ops/test_aft_decay.py \
-    2>&1 | tee "$OUT/triton-tests.txt"
+    tests/ops/test_aft_local.py tests/ops/test_aft_conv.py tests/ops/test_aft_full.py \
+    tests/ops/test_large_values.py 2>&1 | tee "$OUT/triton-tests.txt"
 tests=${PIPESTATUS[0]}
-timeout 280 "$PY" -m aftlab.bench \
+timeout 270 "$PY" -m aftlab.bench \
   --mixers aft-simple,aft-decay,aft-local,aft-conv,attention,aft-full,attention-naive \
   --lengths 256,1024,2048,4096,8192,16384 \
   --decode-positions 128,1024,4096,16384 \
