@@ -184,11 +184,11 @@ def _window_any(x, lo: int, hi: int):
     return cs.index_select(1, top) - cs.index_select(1, (t - lo).clamp(min=0)) > 0
 
 
-def _mix(yb, den, a, b, lp, ap, ls, a_s, bm: int):
-    """The band's average and log-sum joined with the virtual keys, float64: ``(y, p_b, p_p,
-    p_s)`` with the weights ``p`` of the band, the prefix and the suffix (summing to 1; all 0
-    where there is no key)."""
-    T = yb.shape[1]
+def _weights(den, a, b, lp, ls, bm: int):
+    """The weights ``(p_b, p_p, p_s)`` of the band, the prefix and the suffix in each output
+    (float64, summing to 1; all 0 where there is no key): the band's log-sum
+    ``a_t + b + log den`` beside the virtual keys' ``lp``, ``ls``."""
+    T = den.shape[1]
     s = a.double()[None, :, None] + b.double().repeat_interleave(bm, 1)[:, :T]
     lb = torch.where(den > 0, s + den.double().log(), float("-inf"))
     ls = torch.full_like(lp, float("-inf")) if ls is None else ls
@@ -197,11 +197,7 @@ def _mix(yb, den, a, b, lp, ap, ls, a_s, bm: int):
     wb, wp, ws = (lb - m).exp(), (lp - m).exp(), (ls - m).exp()
     om = wb + wp + ws
     om = torch.where(om == 0, 1.0, om)
-    pb, pp, ps = wb / om, wp / om, ws / om
-    y = pb * yb.double() + pp * ap.double()
-    if a_s is not None:
-        y = y + ps * a_s.double()
-    return y, pb, pp, ps
+    return wb / om, wp / om, ws / om
 
 
 def _exact_rows(k, v, a, b, den, lo: int, hi: int, bm: int, vbig: float, thr: float):
@@ -242,7 +238,9 @@ def band_dot(k, v, w, lp, ap, ls, a_s, lo, hi):
     _dot_fwd[(B, nq, triton.cdiv(D, bd))](
         k, v, w, a, b, yb, den, T, D, nw, nq, lo, hi, vbig, MARGIN, PER_QUERY=w.shape[0] > 1,
         IEEE=full.ieee(k.device), BM=bm, BN=bn, BD=bd)
-    y = _mix(yb, den, a, b, lp, ap, ls, a_s, bm)[0].to(k.dtype)
+    pb, pp, ps = _weights(den, a, b, lp, ls, bm)
+    y = pb * yb.double() + pp * ap.double()
+    y = (y if a_s is None else y + ps * a_s.double()).to(k.dtype)
     exact = _exact_rows(k, v, a, b, den, lo, hi, bm, vbig, thr)
     if bool(exact.any()):
         ye, _ = band_core(k, v, w, lp, ap, ls, a_s, lo, hi)
@@ -263,7 +261,7 @@ def band_dot_backward(gy, k, v, w, lp, ap, ls, a_s, y, den, exact, a, b, lo, hi)
     bm, bn, bd = full.blocks(T, D, k.device)
     nq = b.shape[1]
     vbig, _ = limits(k.dtype, nw)
-    _, pb, pp, ps = _mix(y, den, a, b, lp, ap, ls, a_s, bm)
+    pb, pp, ps = _weights(den, a, b, lp, ls, bm)
     live = ~exact & (gy != 0)
     g = gy.double()
     r = torch.where(live & (den > 0), g * pb / torch.where(den > 0, den, 1).double(), 0.0)
