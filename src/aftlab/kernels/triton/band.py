@@ -273,6 +273,21 @@ def band_core_backward(gy, k, v, w, lp, ap, ls, a_s, y, l4, lo, hi):
 IMPLS = {"band_core": band_core, "band_core_backward": band_core_backward}
 
 
+def fake_grads(k, w, ls):
+    """The fake gradients ``(dk, dv, dw, dlp, dap, dls, das)`` of a band op's inputs
+    ``(k, v, w, lp, ap, ls, a_s)`` (``dls, das`` empty without a suffix)."""
+    like = [k.new_empty(k.shape) for _ in range(4)]
+    rest = [k.new_empty(k.shape if ls is not None else (0,)) for _ in range(2)]
+    return like[0], like[1], w.new_empty(w.shape), like[2], like[3], *rest
+
+
+def setup_band(ctx, inputs, output):
+    """Save a band op's inputs ``(k, v, w, lp, ap, ls, a_s, lo, hi)`` and its outputs."""
+    k, v, w, lp, ap, ls, a_s, ctx.lo, ctx.hi = inputs
+    ctx.suffix = ls is not None
+    ctx.save_for_backward(k, v, w, lp, ap, ls, a_s, *output)
+
+
 def register() -> None:
     """The fakes and autograd of ``aftlab::triton_band_core`` (once, after it is defined)."""
 
@@ -282,14 +297,7 @@ def register() -> None:
 
     @torch.library.register_fake("aftlab::triton_band_core_backward")
     def _(gy, k, v, w, lp, ap, ls, a_s, y, l4, lo, hi):
-        like = [k.new_empty(k.shape) for _ in range(4)]
-        rest = [k.new_empty(k.shape if ls is not None else (0,)) for _ in range(2)]
-        return like[0], like[1], w.new_empty(w.shape), like[2], like[3], *rest
-
-    def setup(ctx, inputs, output):
-        k, v, w, lp, ap, ls, a_s, ctx.lo, ctx.hi = inputs
-        ctx.suffix = ls is not None
-        ctx.save_for_backward(k, v, w, lp, ap, ls, a_s, *output)
+        return fake_grads(k, w, ls)
 
     def backward(ctx, gy, _gl4):
         k, v, w, lp, ap, ls, a_s, y, l4 = ctx.saved_tensors
@@ -300,7 +308,7 @@ def register() -> None:
             dls = das = None
         return dk, dv, dw, dlp, dap, dls, das, None, None
 
-    register_autograd_once("aftlab::triton_band_core", backward, setup, what="Triton kernel")
+    register_autograd_once("aftlab::triton_band_core", backward, setup_band, what="Triton kernel")
 
 
 # ---------------------------------------------------------------------------- the op

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from . import full
 from ._common import TL
-from .band import band_core, band_core_backward
+from .band import band_core, band_core_backward, fake_grads, setup_band
 from .full import MARGIN, factors, limits, mm
 
 SCHEMAS = {
@@ -309,14 +309,7 @@ def register() -> None:
 
     @torch.library.register_fake("aftlab::triton_band_dot_backward")
     def _(gy, k, v, w, lp, ap, ls, a_s, y, den, exact, a, b, lo, hi):
-        like = [k.new_empty(k.shape) for _ in range(4)]
-        rest = [k.new_empty(k.shape if ls is not None else (0,)) for _ in range(2)]
-        return like[0], like[1], w.new_empty(w.shape), like[2], like[3], *rest
-
-    def setup(ctx, inputs, output):
-        k, v, w, lp, ap, ls, a_s, ctx.lo, ctx.hi = inputs
-        ctx.suffix = ls is not None
-        ctx.save_for_backward(k, v, w, lp, ap, ls, a_s, *output)
+        return fake_grads(k, w, ls)
 
     def backward(ctx, gy, *_):
         k, v, w, lp, ap, ls, a_s, y, den, exact, a, b = ctx.saved_tensors
@@ -327,4 +320,4 @@ def register() -> None:
             dls = das = None
         return dk, dv, dw, dlp, dap, dls, das, None, None
 
-    register_autograd_once("aftlab::triton_band_dot", backward, setup, what="Triton kernel")
+    register_autograd_once("aftlab::triton_band_dot", backward, setup_band, what="Triton kernel")
